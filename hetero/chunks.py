@@ -1,0 +1,138 @@
+"""Packing parameters into chunks, and the blocks that are the unit of placement.
+
+A :class:`Chunk` is a flat buffer holding several parameters of one dtype back to back. Each chunk
+has one :class:`Block` per kind of state: ``param`` always, ``grad`` when its parameters are
+trainable, ``exp_avg`` / ``exp_avg_sq`` once an optimizer creates them (``master`` is reserved
+for fp32 copies kept by mixed precision). A block moves between tiers as a whole.
+
+Parameters stay ``nn.Parameter`` objects; while their param block is on the device their ``.data``
+is a view into the block's device buffer. That buffer's *storage* is freed and re-allocated in
+place (the storage-resize technique FSDP uses), so views that autograd saved during forward are
+valid again when the block comes back for backward. While the block is not on the device the
+parameter's data is a same-shaped read-only placeholder filled with NaN, so a stray read is
+visibly wrong instead of a crash, and a stray in-place update raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+PARAM, GRAD, MASTER, EXP_AVG, EXP_AVG_SQ = "param", "grad", "master", "exp_avg", "exp_avg_sq"
+KINDS = (PARAM, GRAD, MASTER, EXP_AVG, EXP_AVG_SQ)
+
+
+@dataclasses.dataclass
+class ParamSlot:
+    """Where one parameter lives inside its chunk."""
+
+    param: nn.Parameter
+    names: list[str]  # every fully qualified name it has (tied parameters have several)
+    offset: int  # in elements
+    numel: int
+    shape: torch.Size
+    has_grad: bool = False  # a gradient was accumulated since the last zero_grad
+    step: int = 0  # optimizer steps taken (torch keeps this per parameter)
+
+    def slice(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset:self.offset + self.numel].view(self.shape)
+
+
+class Block:
+    """One kind of state of one chunk: the thing the runtime places, moves and accounts.
+
+    Where its bytes are is described by ``device`` (a flat tensor on the compute device whose
+    storage is allocated only while ``DEVICE in tiers``), ``host_offset`` (a slot in the host
+    arena) and ``nvme_loc`` (a range of a swap file). ``tiers`` lists the tiers holding a valid
+    copy; only the runtime changes any of these.
+    """
+
+    def __init__(self, chunk: "Chunk", kind: str, dtype: torch.dtype) -> None:
+        self.chunk = chunk
+        self.kind = kind
+        self.dtype = dtype
+        self.id = f"c{chunk.index}.{kind}"
+        self.numel = chunk.numel
+        self.nbytes = chunk.numel * torch.empty((), dtype=dtype).element_size()
+        self.device: Optional[torch.Tensor] = None
+        self.host_offset: Optional[int] = None
+        self.nvme_loc: Optional[tuple[int, int]] = None
+        self.tiers: set[str] = set()
+        self.pins: dict[str, int] = {}  # tier -> how many acquirers hold the copy there
+
+    def __repr__(self) -> str:
+        return f"Block({self.id}, {self.nbytes} B, tiers={sorted(self.tiers)}, pins={self.pins})"
+
+
+class Chunk:
+    """Parameters of one dtype (and one ``requires_grad``) packed into a flat buffer."""
+
+    def __init__(self, index: int, dtype: torch.dtype, requires_grad: bool,
+                 slots: list[ParamSlot], device: torch.device) -> None:
+        self.index = index
+        self.dtype = dtype
+        self.requires_grad = requires_grad
+        self.slots = slots
+        self.numel = sum(s.numel for s in slots)
+        self.compute_device = device
+        self.blocks: dict[str, Block] = {PARAM: Block(self, PARAM, dtype)}
+        if requires_grad:
+            self.blocks[GRAD] = Block(self, GRAD, dtype)
+        # NaN placeholder shown by parameters whose block is off the device (expand: no memory).
+        self._poison = torch.full((), math.nan, dtype=dtype, device=device)
+
+    def add_block(self, kind: str, dtype: torch.dtype) -> Block:
+        block = self.blocks.get(kind)
+        if block is None:
+            block = self.blocks[kind] = Block(self, kind, dtype)
+        return block
+
+    def attach_params(self) -> None:
+        """Point every parameter at its slice of the (resident) device buffer."""
+        flat = self.blocks[PARAM].device
+        for s in self.slots:
+            s.param.data = s.slice(flat)
+
+    def detach_params(self) -> None:
+        """Point every parameter at the NaN placeholder (the device buffer is being freed)."""
+        for s in self.slots:
+            s.param.data = self._poison.expand(s.shape)
+
+    def __repr__(self) -> str:
+        return f"Chunk({self.index}, {self.dtype}, numel={self.numel}, params={len(self.slots)})"
+
+
+def pack(groups: Iterable[list[tuple[nn.Parameter, list[str]]]], chunk_bytes: int,
+         device: torch.device) -> list[Chunk]:
+    """Pack parameters into chunks of about ``chunk_bytes``.
+
+    ``groups`` yields one list of ``(param, names)`` per wrapped unit in the order units are
+    expected to run; chunks never span two units, so fetching a unit fetches only its own bytes. A
+    parameter bigger than ``chunk_bytes`` gets a chunk of its own. Each parameter must appear once.
+    """
+    chunks: list[Chunk] = []
+    for group in groups:
+        open_by_key: dict[tuple[torch.dtype, bool], list[ParamSlot]] = {}
+        open_bytes: dict[tuple[torch.dtype, bool], int] = {}
+
+        def close(key: tuple[torch.dtype, bool]) -> None:
+            slots = open_by_key.pop(key)
+            open_bytes.pop(key)
+            chunks.append(Chunk(len(chunks), key[0], key[1], slots, device))
+
+        for p, names in group:
+            key = (p.dtype, p.requires_grad)
+            nbytes = p.numel() * p.element_size()
+            if key in open_by_key and open_bytes[key] + nbytes > chunk_bytes:
+                close(key)
+            slots = open_by_key.setdefault(key, [])
+            offset = sum(s.numel for s in slots)
+            slots.append(ParamSlot(p, names, offset, p.numel(), p.shape))
+            open_bytes[key] = open_bytes.get(key, 0) + nbytes
+        for key in list(open_by_key):
+            close(key)
+    return chunks

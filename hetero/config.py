@@ -1,0 +1,279 @@
+"""Argument parsing and validation for ``hetero.wrap``.
+
+Everything a user passes is checked here, before a single byte moves, and turned into a frozen
+:class:`Config`. Each failure is a :class:`~hetero.errors.HeteroConfigError` that names the
+argument, the value it got and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import shutil
+from typing import Any, Callable, Optional, Union
+
+import psutil
+import torch
+
+from .errors import HeteroConfigError
+
+SizeLike = Union[int, str, None]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+POLICIES = ("auto", "opt", "hotness", "lru", "static")
+SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+#: Memory kept free on a CUDA device for activations and the allocator when no budget is given.
+DEVICE_RESERVE_FRACTION = 0.2
+HOST_DEFAULT_FRACTION = 0.8
+NVME_DEFAULT_FRACTION = 0.9
+
+
+def parse_size(value: SizeLike, name: str, *, allow_none: bool = True) -> Optional[int]:
+    """Parse ``4096``, ``"512MiB"``, ``"8GB"`` or ``"1.5GiB"`` into bytes.
+
+    Decimal units (KB, MB, GB) are powers of 1000 and binary units (KiB, MiB, GiB) powers of 1024,
+    as in ``numfmt``.
+    """
+    accepted = "an int number of bytes or a string such as '512MiB', '8GB', '1.5GiB'"
+    if value is None:
+        if allow_none:
+            return None
+        raise HeteroConfigError(f"{name}=None is not accepted; expected {accepted}")
+    if isinstance(value, bool):
+        raise HeteroConfigError(f"{name}={value!r} is not a size; expected {accepted}")
+    if isinstance(value, int):
+        nbytes = value
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise HeteroConfigError(f"{name}={value!r} is not a size; expected {accepted}")
+        nbytes = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise HeteroConfigError(f"{name}={value!r} ({type(value).__name__}) is not a size; "
+                                f"expected {accepted}")
+    if nbytes <= 0:
+        raise HeteroConfigError(f"{name}={value!r} must be a positive size; expected {accepted}")
+    return nbytes
+
+
+def format_size(nbytes: int) -> str:
+    """Human-readable binary size, e.g. ``'1.50 MiB'``."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes used for compute (``param_dtype``), gradient reduction and buffers.
+
+    Mirrors ``torch.distributed.fsdp.MixedPrecision``; ``None`` keeps the parameter's own dtype.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    buffer_dtype: Optional[torch.dtype] = None
+
+
+class ShardingStrategy(enum.Enum):
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Validated arguments of ``hetero.wrap``; every budget is resolved to bytes."""
+
+    device: torch.device
+    device_budget: int  # bytes; for device="cpu" without a budget this is effectively unbounded
+    host_budget: int
+    nvme_path: Optional[str]
+    nvme_budget: int  # 0 when the NVMe tier is disabled
+    policy: Any  # a policy name or a hetero.Policy instance
+    chunk_size: int
+    prefetch: int
+    auto_wrap_policy: Optional[Callable[..., bool]]
+    sharding_strategy: ShardingStrategy
+    mixed_precision: Optional[MixedPrecision]
+    process_group: Any
+    param_init_fn: Optional[Callable[[torch.nn.Module], None]]
+
+
+def _parse_device(device: Any) -> torch.device:
+    accepted = "'cpu', 'cuda', 'cuda:N', a torch.device or None"
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise HeteroConfigError(f"device={device!r} is not a device; expected {accepted}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HeteroConfigError(f"device={device!r} but CUDA is not available on this machine; "
+                                    "use device='cpu' (a full mode: the device tier is a budgeted "
+                                    "region of host memory)")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise HeteroConfigError(f"device={device!r} but only {torch.cuda.device_count()} CUDA "
+                                    f"device(s) exist; expected cuda:0..cuda:{torch.cuda.device_count() - 1}")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise HeteroConfigError(f"device={device!r} is not supported; expected {accepted}")
+    return dev
+
+
+def _default_device_budget(device: torch.device) -> int:
+    if device.type == "cpu":
+        return 1 << 62  # unlimited: the CPU "device" is bounded by the host's RAM, not a budget
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free * (1 - DEVICE_RESERVE_FRACTION))
+
+
+def _parse_policy(policy: Any) -> Any:
+    from .policy import Policy  # local import: policy imports nothing from config at module load
+
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return policy
+    raise HeteroConfigError(f"policy={policy!r} is not accepted; expected one of "
+                            f"{', '.join(repr(p) for p in POLICIES)} or a hetero.Policy instance")
+
+
+def _parse_sharding(strategy: Any) -> ShardingStrategy:
+    name = getattr(strategy, "name", strategy)  # torch's ShardingStrategy enum carries .name
+    if isinstance(name, str) and name.upper() in SHARDING:
+        return ShardingStrategy(name.upper())
+    raise HeteroConfigError(f"sharding_strategy={strategy!r} is not accepted; expected one of "
+                            f"{', '.join(repr(s) for s in SHARDING)} or torch's ShardingStrategy")
+
+
+def _parse_mixed_precision(mp: Any) -> Optional[MixedPrecision]:
+    if mp is None:
+        return None
+    accepted = "hetero.MixedPrecision(param_dtype, reduce_dtype, buffer_dtype) or torch's fsdp.MixedPrecision"
+    fields = ("param_dtype", "reduce_dtype", "buffer_dtype")
+    if not all(hasattr(mp, f) for f in fields):
+        raise HeteroConfigError(f"mixed_precision={mp!r} is not accepted; expected {accepted}")
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    for f in fields:
+        dtype = getattr(mp, f)
+        if dtype is not None and dtype not in floats:
+            raise HeteroConfigError(f"mixed_precision.{f}={dtype!r} is not accepted; expected "
+                                    "torch.float32, torch.float16, torch.bfloat16 or None")
+    return MixedPrecision(mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype)
+
+
+def _check_nvme_path(nvme_path: Any) -> Optional[str]:
+    if nvme_path is None:
+        return None
+    if not isinstance(nvme_path, (str, os.PathLike)):
+        raise HeteroConfigError(f"nvme_path={nvme_path!r} is not a path; expected a directory path "
+                                "(created if missing) or None to disable the NVMe tier")
+    path = os.path.abspath(os.fspath(nvme_path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise HeteroConfigError(f"nvme_path={nvme_path!r} exists and is not a directory; expected a "
+                                "directory (created if missing) or None")
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise HeteroConfigError(f"nvme_path={nvme_path!r} is not writable (no write permission on "
+                                f"{probe!r}); expected a directory this process can create files in")
+    return path
+
+
+def _free_space_under(path: str) -> int:
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free
+
+
+def _check_callable(value: Any, name: str, accepted: str) -> None:
+    if value is not None and not callable(value):
+        raise HeteroConfigError(f"{name}={value!r} is not accepted; expected {accepted}")
+
+
+def _parse_auto_wrap_policy(policy: Any) -> Optional[Callable[..., bool]]:
+    accepted = ("a callable(module, recurse, nonwrapped_numel) -> bool, a set of nn.Module "
+                "classes, or None for the default (transformer-block-sized children)")
+    if policy is None:
+        return None
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+            raise HeteroConfigError(f"auto_wrap_policy={policy!r} is not accepted; expected {accepted}")
+
+        def by_class(module: torch.nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+            return True if recurse else isinstance(module, classes)
+
+        return by_class
+    if callable(policy):
+        return policy
+    raise HeteroConfigError(f"auto_wrap_policy={policy!r} is not accepted; expected {accepted}")
+
+
+def resolve(
+    *,
+    device: Any,
+    device_budget: SizeLike,
+    host_budget: SizeLike,
+    nvme_path: Any,
+    nvme_budget: SizeLike,
+    policy: Any,
+    chunk_size: SizeLike,
+    prefetch: Any,
+    auto_wrap_policy: Any,
+    sharding_strategy: Any,
+    mixed_precision: Any,
+    process_group: Any,
+    param_init_fn: Any,
+) -> Config:
+    """Validate every argument of ``hetero.wrap`` and resolve defaults; raises HeteroConfigError."""
+    dev = _parse_device(device)
+    dev_budget = parse_size(device_budget, "device_budget")
+    host = parse_size(host_budget, "host_budget")
+    path = _check_nvme_path(nvme_path)
+    nvme = parse_size(nvme_budget, "nvme_budget")
+    if nvme is not None and path is None:
+        raise HeteroConfigError(f"nvme_budget={nvme_budget!r} was given without nvme_path; pass "
+                                "nvme_path=DIR to enable the NVMe tier, or leave nvme_budget=None")
+    chunk = parse_size(chunk_size, "chunk_size", allow_none=False)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise HeteroConfigError(f"prefetch={prefetch!r} is not accepted; expected an int >= 0 "
+                                "(0 disables prefetch)")
+    _check_callable(param_init_fn, "param_init_fn",
+                    "a callable(module) that initializes a meta-device module in place, or None")
+    return Config(
+        device=dev,
+        device_budget=dev_budget if dev_budget is not None else _default_device_budget(dev),
+        host_budget=host if host is not None
+        else int(psutil.virtual_memory().available * HOST_DEFAULT_FRACTION),
+        nvme_path=path,
+        nvme_budget=0 if path is None else
+        (nvme if nvme is not None else int(_free_space_under(path) * NVME_DEFAULT_FRACTION)),
+        policy=_parse_policy(policy),
+        chunk_size=chunk,
+        prefetch=prefetch,
+        auto_wrap_policy=_parse_auto_wrap_policy(auto_wrap_policy),
+        sharding_strategy=_parse_sharding(sharding_strategy),
+        mixed_precision=_parse_mixed_precision(mixed_precision),
+        process_group=process_group,
+        param_init_fn=param_init_fn,
+    )

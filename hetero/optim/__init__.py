@@ -1,0 +1,5 @@
+"""Optimizers whose state is placed by the hetero runtime (see :mod:`hetero.optim.adam`)."""
+
+from .adam import Adam, AdamW
+
+__all__ = ["Adam", "AdamW"]

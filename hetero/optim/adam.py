@@ -1,0 +1,263 @@
+"""Adam and AdamW over chunks, stepping each chunk on the tier that holds its optimizer state.
+
+For every chunk the step acquires four blocks on one tier — param, grad, exp_avg, exp_avg_sq — and
+updates contiguous runs of parameters with vectorized torch ops (the C++ SIMD kernel replaces this
+later). The tier is the device when the chunk's exp_avg is there and the four blocks fit the
+device budget, else the host (a block on NVMe is staged through a host slot). The math is torch's
+single-tensor Adam, op for op, so results match ``torch.optim.Adam`` / ``AdamW`` to float32
+rounding; ``state_dict()`` is torch's format and loads into either.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, PARAM, Chunk, ParamSlot
+from ..config import format_size
+from ..errors import HeteroConfigError, HeteroOOMError
+from ..tiers import DEVICE, HOST, align_up
+
+_UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, decoupled: bool) -> None:
+    """One Adam(W) update of flat tensors in place, exactly as torch's ``_single_tensor_adam``."""
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class Adam(torch.optim.Optimizer):
+    """``torch.optim.Adam`` (L2 weight decay) for parameters of a :class:`hetero.HeteroModule`."""
+
+    _hetero = True
+    _decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, amsgrad: bool = False,
+                 maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None) -> None:
+        for name, value, ok in (("lr", lr, isinstance(lr, (int, float)) and lr >= 0),
+                                ("eps", eps, isinstance(eps, (int, float)) and eps >= 0),
+                                ("weight_decay", weight_decay, isinstance(weight_decay, (int, float)) and weight_decay >= 0),
+                                ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas))):
+            if not ok:
+                raise HeteroConfigError(f"{name}={value!r} is not accepted; expected a non-negative float"
+                                        + (" pair, each in [0, 1)" if name == "betas" else ""))
+        for name, value in zip(_UNSUPPORTED, (amsgrad, maximize, capturable, differentiable)):
+            if value:
+                raise HeteroConfigError(f"{name}=True is not supported by hetero.optim; expected {name}=False")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=False, foreach=foreach, capturable=False, differentiable=False,
+                        fused=fused, decoupled_weight_decay=self._decoupled)
+        self._state = None
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ parameter bookkeeping
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        from ..wrap import state_of
+
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            st = state_of(p)
+            if st is None:
+                raise HeteroConfigError(
+                    f"params contains a tensor of shape {tuple(p.shape)} that no HeteroModule manages; "
+                    "expected the parameters of hetero.wrap(model) (model.parameters())")
+            if self._state is None:
+                self._state = st
+            elif st is not self._state:
+                raise HeteroConfigError("params come from two HeteroModules; expected one per optimizer")
+        self._check_capacity()
+
+    def _group_index(self) -> dict[int, int]:
+        return {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+
+    def _chunks(self) -> list[Chunk]:
+        groups = self._group_index()
+        return [c for c in self._state.chunks
+                if c.requires_grad and any(id(s.param) in groups for s in c.slots)]
+
+    def _check_capacity(self) -> None:
+        st = self._state
+        rt = st.runtime
+        need = sum(2 * align_up(c.blocks[PARAM].nbytes) for c in self._chunks()
+                   if EXP_AVG not in c.blocks or not c.blocks[EXP_AVG].tiers)
+        used = sum(t.used for t in rt.tiers.values())
+        capacity = sum(t.capacity for t in rt.tiers.values())
+        if used + need > capacity:
+            raise HeteroOOMError(
+                f"the optimizer states need {format_size(need)} more but the tiers have "
+                f"{format_size(capacity - used)} free of {format_size(capacity)} "
+                f"({', '.join(f'{n} {format_size(t.free)} free' for n, t in rt.tiers.items())}); "
+                "raise a budget or set nvme_path")
+
+    # ------------------------------------------------------------------ stepping
+
+    def _runs(self, chunk: Chunk, groups: dict[int, int]) -> list[tuple[int, int, int, int]]:
+        """``(start, end, group, step)`` element ranges of consecutive parameters to update with
+        one set of hyper-parameters."""
+        runs: list[tuple[int, int, int, int]] = []
+        for s in chunk.slots:
+            g = groups.get(id(s.param))
+            if g is None or not s.has_grad:
+                continue
+            if runs and runs[-1][1] == s.offset and runs[-1][2] == g and runs[-1][3] == s.step:
+                runs[-1] = (runs[-1][0], s.offset + s.numel, g, s.step)
+            else:
+                runs.append((s.offset, s.offset + s.numel, g, s.step))
+        return runs
+
+    def _tier_for(self, chunk: Chunk) -> str:
+        rt = self._state.runtime
+        blocks = [chunk.blocks[k] for k in (PARAM, GRAD, EXP_AVG, EXP_AVG_SQ)]
+        fits = sum(b.nbytes for b in blocks) <= rt.tiers[DEVICE].capacity
+        return DEVICE if fits and DEVICE in chunk.blocks[EXP_AVG].tiers else HOST
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        st = self._state
+        if st is None:
+            return loss
+        rt = st.runtime
+        groups = self._group_index()
+        for chunk in self._chunks():
+            runs = self._runs(chunk, groups)
+            if not runs:
+                continue
+            for kind in (EXP_AVG, EXP_AVG_SQ):
+                block = chunk.add_block(kind, chunk.dtype)
+                if not block.tiers:
+                    rt.create(block)
+            tier = self._tier_for(chunk)
+            param, grad, m, v = (chunk.blocks[k] for k in (PARAM, GRAD, EXP_AVG, EXP_AVG_SQ))
+            rt.acquire([grad], tier)
+            rt.acquire([param, m, v], tier, write=True)
+            try:
+                p_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (param, grad, m, v))
+                for start, end, g, step in runs:
+                    group = self.param_groups[g]
+                    beta1, beta2 = group["betas"]
+                    adam_update_(p_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end],
+                                 step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                 weight_decay=group["weight_decay"], decoupled=self._decoupled)
+                for s in chunk.slots:
+                    if id(s.param) in groups and s.has_grad:
+                        s.step += 1
+            finally:
+                rt.release([grad, param, m, v], tier)
+        st.end_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        st = self._state
+        if st is None:
+            return
+        groups = self._group_index()
+        for chunk in self._chunks():
+            slots = [s for s in chunk.slots if id(s.param) in groups and s.has_grad]
+            if not slots:
+                continue
+            if set_to_none:
+                for s in slots:
+                    s.has_grad = False
+                continue
+            block = chunk.blocks[GRAD]
+            tier = st.runtime.working_tier(block)
+            st.runtime.acquire([block], tier, write=True)
+            try:
+                flat = st.runtime.data(block, tier)
+                for s in slots:
+                    s.slice(flat).zero_()
+            finally:
+                st.runtime.release([block], tier)
+
+    # ------------------------------------------------------------------ state dict (torch's format)
+
+    def _slots_in_order(self) -> list[tuple[int, Chunk, ParamSlot]]:
+        st = self._state
+        params = [p for g in self.param_groups for p in g["params"]]
+        return [(i, *st.slot_of[id(p)]) for i, p in enumerate(params)]
+
+    def state_dict(self) -> dict[str, Any]:
+        groups = []
+        index = itertools.count()
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [next(index) for _ in g["params"]]
+            groups.append(packed)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        if self._state is not None:
+            rt = self._state.runtime
+            flats: dict[tuple[int, str], torch.Tensor] = {}
+            for i, chunk, slot in self._slots_in_order():
+                if slot.step == 0:
+                    continue
+                entry = {"step": torch.tensor(float(slot.step), dtype=torch.float32)}
+                for kind in (EXP_AVG, EXP_AVG_SQ):
+                    key = (chunk.index, kind)
+                    if key not in flats:
+                        flats[key] = rt.read(chunk.blocks[kind])
+                    entry[kind] = slot.slice(flats[key]).clone()
+                state[i] = entry
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
+            raise HeteroConfigError("state_dict has parameter groups of different sizes than this "
+                                    "optimizer's; expected a state dict of an optimizer over the same parameters")
+        for saved, group in zip(saved_groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params" and k in group:
+                    group[k] = tuple(v) if k == "betas" else v
+        saved_state = state_dict["state"]
+        by_chunk: dict[int, list[tuple[ParamSlot, dict]]] = {}
+        chunks = {}
+        for i, chunk, slot in self._slots_in_order():
+            entry = saved_state.get(i)
+            if entry is None:
+                slot.step = 0
+                continue
+            slot.step = int(entry["step"].item() if isinstance(entry["step"], torch.Tensor) else entry["step"])
+            by_chunk.setdefault(chunk.index, []).append((slot, entry))
+            chunks[chunk.index] = chunk
+        rt = self._state.runtime
+        for index, items in by_chunk.items():
+            chunk = chunks[index]
+            for kind in (EXP_AVG, EXP_AVG_SQ):
+                block = chunk.add_block(kind, chunk.dtype)
+                flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=chunk.dtype)
+                for slot, entry in items:
+                    slot.slice(flat).copy_(entry[kind])
+                rt.write(block, flat)
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW`` (decoupled weight decay) for parameters of a HeteroModule."""
+
+    _decoupled = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)

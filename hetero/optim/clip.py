@@ -1,0 +1,53 @@
+"""Gradient-norm clipping over gradients kept in grad blocks, wherever those blocks live."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from ..chunks import GRAD
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..wrap import HeteroState
+
+
+def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """As ``torch.nn.utils.clip_grad_norm_``: per-parameter norms, the norm of those (in parameter
+    order, so the result rounds as torch's does), then every gradient scaled by
+    ``min(1, max_norm / (total + 1e-6))``. Parameters without a gradient are skipped."""
+    norm_type = float(norm_type)
+    rt = state.runtime
+    per_param: dict[int, torch.Tensor] = {}
+    chunks = [c for c in state.chunks if GRAD in c.blocks and c.blocks[GRAD].tiers
+              and any(s.has_grad for s in c.slots)]
+    for chunk in chunks:
+        block = chunk.blocks[GRAD]
+        tier = rt.working_tier(block)
+        rt.acquire([block], tier)
+        try:
+            flat = rt.data(block, tier)
+            for s in chunk.slots:
+                if s.has_grad:
+                    per_param[id(s.param)] = torch.linalg.vector_norm(s.slice(flat), norm_type).to(state.cfg.device)
+        finally:
+            rt.release([block], tier)
+    norms = [per_param[id(p)] for p in dict.fromkeys(params) if id(p) in per_param]
+    if not norms:
+        return torch.tensor(0.0, device=state.cfg.device)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for chunk in chunks:
+        block = chunk.blocks[GRAD]
+        tier = rt.working_tier(block)
+        rt.acquire([block], tier, write=True)
+        try:
+            flat = rt.data(block, tier)
+            with torch.no_grad():
+                for s in chunk.slots:
+                    if s.has_grad:
+                        s.slice(flat).mul_(coef.to(flat.device))
+        finally:
+            rt.release([block], tier)
+    return total

@@ -1,0 +1,121 @@
+"""The placement report: what the runtime did, as data, a Chrome/Perfetto trace and a plot."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from .config import format_size
+from .tiers import TIER_ORDER
+from .tracker import Access, Move
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .wrap import HeteroState
+
+
+class Report:
+    """A snapshot of a HeteroModule's placement (taken by ``placement_report()``)."""
+
+    def __init__(self, summary: dict[str, Any], accesses: list[Access], moves: list[Move],
+                 usage: list[tuple[float, str, int]], stalls: list[tuple[float, float, str]]) -> None:
+        self._summary = summary
+        self.accesses = accesses
+        self.moves = moves
+        self.usage = usage
+        self.stalls = stalls
+
+    @classmethod
+    def from_state(cls, state: "HeteroState") -> "Report":
+        rt = state.runtime
+        tr = rt.tracker
+        hotness: dict[str, int] = {}
+        for a in tr.accesses:  # accesses per completed step: a block's heat
+            hotness[a.block] = hotness.get(a.block, 0) + 1
+        steps = max(tr.step, 1)
+        blocks = [{"id": b.id, "kind": b.kind, "bytes": b.nbytes,
+                   "tier": rt.top(b) if b.tiers else "none",
+                   "hotness": hotness.get(b.id, 0) / steps} for b in rt.blocks()]
+        summary = {
+            "policy": rt.policy.name,
+            "steps": tr.step,
+            "stall_seconds": tr.stall_seconds,
+            "tiers": {name: t.as_dict() for name, t in rt.tiers.items()},
+            "traffic": dict(tr.traffic),
+            "blocks": blocks,
+        }
+        return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls))
+
+    def as_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self._summary))  # a deep, JSON-clean copy
+
+    def __str__(self) -> str:
+        d = self._summary
+        lines = [f"hetero placement report: policy={d['policy']} steps={d['steps']} "
+                 f"stall={d['stall_seconds']:.3f}s"]
+        for name in TIER_ORDER:
+            if name in d["tiers"]:
+                t = d["tiers"][name]
+                lines.append(f"  {name:6s} capacity {format_size(t['capacity']):>11s}  used "
+                             f"{format_size(t['used']):>11s}  peak {format_size(t['peak']):>11s}")
+        lines.append("  traffic: " + ", ".join(f"{k} {format_size(v)}" for k, v in d["traffic"].items()))
+        by_tier: dict[str, int] = {}
+        for b in d["blocks"]:
+            by_tier[b["tier"]] = by_tier.get(b["tier"], 0) + 1
+        lines.append(f"  blocks: {len(d['blocks'])} (" + ", ".join(f"{n} on {t}" for t, n in by_tier.items()) + ")")
+        return "\n".join(lines)
+
+    def save_access_log(self, path: str) -> None:
+        """JSON Lines, one access per line: step, seq, block, bytes, tier."""
+        with open(path, "w") as f:
+            for a in self.accesses:
+                f.write(json.dumps(a.as_dict()) + "\n")
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Chrome/Perfetto trace: moves (one track per direction), stalls, and tier usage counters."""
+        events: list[dict[str, Any]] = []
+        tids = {}
+        for m in self.moves:
+            direction = f"{m.src}->{m.dst}"
+            tid = tids.setdefault(direction, len(tids) + 1)
+            events.append({"name": m.block, "cat": "move", "ph": "X", "pid": 1, "tid": tid,
+                           "ts": m.start * 1e6, "dur": max((m.end - m.start) * 1e6, 0.001),
+                           "args": {"bytes": m.bytes, "direction": direction}})
+        for start, end, block in self.stalls:
+            events.append({"name": f"stall {block}", "cat": "stall", "ph": "X", "pid": 1, "tid": 0,
+                           "ts": start * 1e6, "dur": max((end - start) * 1e6, 0.001)})
+        for t, tier, used in self.usage:
+            events.append({"name": f"{tier} bytes", "ph": "C", "pid": 1, "ts": t * 1e6, "args": {"used": used}})
+        meta = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}
+                for name, tid in tids.items()]
+        meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "stalls"}})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, f)
+
+    def plot(self, path: str) -> None:
+        """PNG of bytes used per tier over time, with moves marked as ticks on the time axis."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4))
+        for name, tier in self._summary["tiers"].items():
+            pts = [(t, u) for t, n, u in self.usage if n == name]
+            if pts:
+                xs, ys = zip(*pts)
+                line, = ax.step(xs, [y / 2**20 for y in ys], where="post", label=f"{name} used")
+                ax.axhline(tier["capacity"] / 2**20, color=line.get_color(), ls="--", lw=0.8,
+                           label=f"{name} budget")
+        if self.moves:
+            ax.plot([m.start for m in self.moves], [0] * len(self.moves), "|", color="k", ms=8,
+                    label="moves")
+        caps = [t["capacity"] for t in self._summary["tiers"].values()]
+        peak = max([u for _, _, u in self.usage] + [1])
+        ax.set_ylim(0, min(max(caps), peak * 1.5) / 2**20)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"hetero placement ({self._summary['policy']}, {self._summary['steps']} steps)")
+        ax.legend(loc="upper right", fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)

@@ -1,0 +1,172 @@
+"""Wrapped units and the hooks that fetch their parameters around forward and backward.
+
+A *unit* is a module chosen by ``auto_wrap_policy`` (plus the root). It owns the parameters of its
+sub-tree that no nested unit owns; its param blocks are those of every chunk holding one of them.
+
+Around each call of a unit:
+
+* forward pre-hook: acquire its param blocks on the device (pinned), prefetch the next units;
+* forward post-hook: release them;
+* the outputs pass through ``_PreBackward`` whose backward acquires the blocks again before the
+  unit's backward runs (activation checkpointing re-runs the forward in between, which simply
+  acquires and releases once more);
+* the inputs pass through ``_PostBackward`` whose backward releases them once the unit's backward
+  has produced input gradients; a callback at the end of the backward pass releases any call whose
+  inputs needed no gradient (the first unit, typically).
+
+Pins nest, so a unit called twice, a tied parameter used by two units, or a unit inside another's
+forward all stay correct.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .chunks import PARAM, Block
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .wrap import HeteroState
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    index: int
+    name: str
+    module: nn.Module
+    param_blocks: list[Block] = dataclasses.field(default_factory=list)
+    calls: list["Call"] = dataclasses.field(default_factory=list)  # open forward calls (a stack)
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """One forward call of a unit, tracked until its backward is done."""
+
+    unit: Unit
+    position: int  # index of this call in the step's forward order
+    pinned: bool = False
+
+
+def default_auto_wrap_policy(root: nn.Module) -> Callable[[nn.Module, bool, int], bool]:
+    """Wrap the elements of ``nn.ModuleList`` / ``nn.Sequential`` containers that hold parameters:
+    in transformer models those are the blocks (``h``, ``layers``), the natural unit to stream."""
+    repeated = {id(child) for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+                for child in m.children() if any(True for _ in child.parameters())}
+
+    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else id(module) in repeated
+
+    return policy
+
+
+def select_units(root: nn.Module, policy: Callable[..., bool]) -> list[tuple[str, nn.Module]]:
+    """Modules to wrap, root first then pre-order, with FSDP's ``auto_wrap_policy`` semantics."""
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> int:
+        nonwrapped = sum(p.numel() for p in module.parameters())
+        if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
+            return 0
+        mark = len(chosen)
+        wrapped = sum(visit(f"{name}.{n}" if name else n, c) for n, c in module.named_children())
+        if module is not root and policy(module=module, recurse=False, nonwrapped_numel=nonwrapped - wrapped):
+            chosen.insert(mark, (name, module))
+            return nonwrapped
+        return wrapped
+
+    visit("", root)
+    return [("", root)] + chosen
+
+
+def unit_params(units: list[tuple[str, nn.Module]]) -> list[list[tuple[nn.Parameter, str]]]:
+    """For each unit, the parameters it uses directly (not through a nested unit), with names."""
+    unit_ids = {id(m) for _, m in units}
+    result = []
+    for name, module in units:
+        found: list[tuple[nn.Parameter, str]] = []
+
+        def visit(prefix: str, m: nn.Module) -> None:
+            for pname, p in m.named_parameters(recurse=False):
+                found.append((p, f"{prefix}{pname}"))
+            for cname, c in m.named_children():
+                if id(c) not in unit_ids:
+                    visit(f"{prefix}{cname}.", c)
+
+        visit(f"{name}." if name else "", module)
+        result.append(found)
+    return result
+
+
+def _map_tensors(fn: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]], tree: Any) -> Any:
+    """Apply ``fn`` once to all tensors in ``tree`` that require grad; return the new tree."""
+    leaves, spec = pytree.tree_flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return tree
+    out = fn(tuple(leaves[i] for i in idx))
+    for i, t in zip(idx, out):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: "HeteroState", call: Call, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.state, ctx.call = state, call
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.state.pre_backward(ctx.call)
+        return (None, None) + grads
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: "HeteroState", call: Call, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.state, ctx.call = state, call
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.state.post_backward(ctx.call)
+        return (None, None) + grads
+
+
+def _apply(fn: type[torch.autograd.Function], state: "HeteroState", call: Call,
+           tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    out = fn.apply(state, call, *tensors)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def register_hooks(state: "HeteroState", unit: Unit) -> None:
+    def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        call = state.pre_forward(unit)
+        unit.calls.append(call)
+        if torch.is_grad_enabled():
+            args, kwargs = _map_tensors(lambda ts: _apply(_PostBackward, state, call, ts), (args, kwargs))
+        return args, kwargs
+
+    def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
+        call = unit.calls.pop()
+        state.post_forward(unit)
+        if torch.is_grad_enabled():
+            output = _map_tensors(lambda ts: _apply(_PreBackward, state, call, ts), output)
+        return output
+
+    unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    unit.module.register_forward_hook(post_forward)
+
+
+def unit_blocks(chunks_of_params: list[Optional[Block]]) -> list[Block]:
+    """Unique param blocks in first-seen order."""
+    seen: dict[int, Block] = {}
+    for b in chunks_of_params:
+        if b is not None and id(b) not in seen:
+            seen[id(b)] = b
+    assert all(b.kind == PARAM for b in seen.values())
+    return list(seen.values())

@@ -1,0 +1,476 @@
+"""``hetero.wrap`` and :class:`HeteroModule`: the FSDP-shaped surface over the runtime.
+
+``wrap`` validates its arguments, chooses the wrapped units, packs parameters into chunks (before
+any byte moves, so every budget error is raised first), then materializes or moves the chunks into
+their tiers and installs the hooks of :mod:`hetero.units`. :class:`HeteroState` is what the hooks
+and the optimizer talk to; :class:`HeteroModule` is what the user holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import config as config_mod
+from .chunks import EXP_AVG, EXP_AVG_SQ, GRAD, PARAM, Block, Chunk, ParamSlot, pack
+from .config import Config, format_size
+from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
+from .policy import make_policy
+from .runtime import Runtime
+from .tiers import DEVICE, HOST, NVME, align_up
+from .units import Call, Unit, default_auto_wrap_policy, register_hooks, select_units, unit_blocks, unit_params
+
+log = logging.getLogger(__name__)
+
+#: parameter -> weakref to the HeteroState managing it (weak both ways: no leak, no cycle).
+_MANAGED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def state_of(param: torch.Tensor) -> Optional["HeteroState"]:
+    ref = _MANAGED.get(param)
+    return ref() if ref is not None else None
+
+
+class HeteroState:
+    """Everything hetero knows about one wrapped model; shared by the hooks and the optimizer."""
+
+    def __init__(self, cfg: Config, root: nn.Module, units: list[Unit], chunks: list[Chunk],
+                 runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.root = root
+        self.units = units
+        self.chunks = chunks
+        self.runtime = runtime
+        self.slot_of: dict[int, tuple[Chunk, ParamSlot]] = {
+            id(s.param): (c, s) for c in chunks for s in c.slots}
+        self.summoned = False
+        self.sync_grads = True
+        self._order: list[int] = []  # unit indices in forward order, this step
+        self._last_order: list[int] = []  # ... and in the previous step (drives prefetch)
+
+    # --------------------------------------------------------------- hooks (see hetero.units)
+
+    def pre_forward(self, unit: Unit) -> Call:
+        self.runtime.acquire(unit.param_blocks)
+        position = len(self._order)
+        self._order.append(unit.index)
+        self._prefetch(self._last_order[position + 1:position + 1 + self.cfg.prefetch])
+        return Call(unit, position)
+
+    def post_forward(self, unit: Unit) -> None:
+        self.runtime.release(unit.param_blocks)
+
+    def pre_backward(self, call: Call) -> None:
+        if call.pinned:
+            return
+        self.runtime.acquire(call.unit.param_blocks)
+        call.pinned = True
+        # Released by _PostBackward, or at the latest when this backward pass ends.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.post_backward(call))
+        lo = max(0, call.position - self.cfg.prefetch)
+        self._prefetch(self._order[lo:call.position][::-1])
+
+    def post_backward(self, call: Call) -> None:
+        if call.pinned:
+            self.runtime.release(call.unit.param_blocks)
+            call.pinned = False
+
+    def _prefetch(self, unit_indices: list[int]) -> None:
+        if unit_indices:
+            self.runtime.prefetch([b for i in unit_indices for b in self.units[i].param_blocks])
+
+    def accumulate_grad(self, param: nn.Parameter) -> None:
+        """Move ``param.grad`` into its chunk's grad block (post-accumulate-grad hook)."""
+        chunk, slot = self.slot_of[id(param)]
+        grad, param.grad = param.grad, None
+        block = chunk.blocks[GRAD]
+        if not block.tiers:
+            self.runtime.create(block)
+        self.runtime.acquire([block], DEVICE, write=True)
+        try:
+            with torch.no_grad():
+                dst = slot.slice(block.device)
+                if slot.has_grad:
+                    dst.add_(grad)
+                else:
+                    dst.copy_(grad)
+                    slot.has_grad = True
+        finally:
+            self.runtime.release([block], DEVICE)
+
+    def end_step(self) -> None:
+        self._last_order, self._order = self._order, []
+        self.runtime.end_step()
+
+    def forward_failed(self) -> None:
+        """Undo the pins of a forward that raised half-way, so training can go on."""
+        self.runtime.unpin_all()
+        for unit in self.units:
+            unit.calls.clear()
+        self._order = []
+
+    # --------------------------------------------------------------- whole-model views
+
+    def param_names(self) -> dict[int, str]:
+        return {id(s.param): s.names[0] for c in self.chunks for s in c.slots}
+
+    @contextlib.contextmanager
+    def full_params(self, writeback: bool) -> Iterator[None]:
+        """Point every parameter at a full CPU copy of its value; optionally write changes back."""
+        copies: list[tuple[Chunk, torch.Tensor]] = []
+        self.summoned = True
+        try:
+            for chunk in self.chunks:
+                flat = self.runtime.read(chunk.blocks[PARAM])
+                copies.append((chunk, flat))
+                for s in chunk.slots:
+                    s.param.data = s.slice(flat)
+            yield
+            if writeback:
+                for chunk, flat in copies:
+                    self.runtime.write(chunk.blocks[PARAM], flat)
+        finally:
+            self.summoned = False
+            for chunk, _ in copies:
+                if DEVICE in chunk.blocks[PARAM].tiers:
+                    chunk.attach_params()
+                else:
+                    chunk.detach_params()
+
+
+def _reject_plain_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer pre-step hook: a torch optimizer must not step hetero-managed params."""
+    if getattr(optimizer, "_hetero", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = state_of(p)
+            if state is None or state.summoned:
+                continue
+            chunk, slot = state.slot_of[id(p)]
+            where = "/".join(sorted(chunk.blocks[PARAM].tiers)) or "nowhere"
+            raise HeteroStateError(
+                f"{type(optimizer).__name__}.step() was given parameter {slot.names[0]!r}, which "
+                f"hetero manages: its data is not resident for a plain optimizer (its block is on "
+                f"{where}) and its gradient lives in hetero's grad blocks, so the step would update "
+                "garbage. Use hetero.optim.AdamW or hetero.optim.Adam (same arguments), which step "
+                "each chunk where its state lives.")
+
+
+register_optimizer_step_pre_hook(_reject_plain_optimizers)
+
+
+class HeteroModule(nn.Module):
+    """A module whose training state is placed across device, host and NVMe by hetero.
+
+    Behaves as the wrapped module: ``forward``, ``parameters()`` and ``named_parameters()`` (the
+    original parameters under their original names), ``state_dict()`` / ``load_state_dict()``
+    (full, original keys, CPU tensors). Outside forward/backward a parameter whose block is not on
+    the device reads as NaN; use :meth:`summon_full_params` or :meth:`state_dict` to read values.
+    """
+
+    def __init__(self, module: nn.Module, state: HeteroState) -> None:
+        super().__init__()
+        self.module = module
+        self._hetero_state = state
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self._hetero_state.forward_failed()
+            raise
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        with self._hetero_state.full_params(writeback=False):
+            sd = self.module.state_dict(*args, **kwargs)
+            return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        if assign:
+            raise HeteroConfigError("load_state_dict(assign=True) is not supported by hetero; "
+                                    "expected assign=False (values are copied into the chunks)")
+        with self._hetero_state.full_params(writeback=True):
+            return self.module.load_state_dict(state_dict, strict=strict)
+
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+        """Every parameter materialized (on CPU) and readable in ``module``; with ``writeback``,
+        in-place changes made inside the context are written back to the chunks."""
+        with self._hetero_state.full_params(writeback=writeback):
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them across ranks (one process: no reduction
+        happens anyway; gradients accumulate in the grad blocks as usual)."""
+        prev, self._hetero_state.sync_grads = self._hetero_state.sync_grads, False
+        try:
+            yield
+        finally:
+            self._hetero_state.sync_grads = prev
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients in place wherever they live; returns the total norm (as torch's
+        ``clip_grad_norm_`` over this module's parameters)."""
+        from .optim.clip import clip_grad_norm_  # the optimizer package owns gradient math
+
+        return clip_grad_norm_(self._hetero_state, self.module.parameters(), max_norm, norm_type)
+
+    def placement_report(self) -> "Report":
+        from .profiler import Report
+
+        return Report.from_state(self._hetero_state)
+
+    def close(self) -> None:
+        """Remove the swap files now (otherwise done when the module is garbage collected)."""
+        self._hetero_state.runtime.close()
+
+
+# ------------------------------------------------------------------------------ wrap
+
+
+def _check_process_group(process_group: Any) -> None:
+    import torch.distributed as dist
+
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+    if world > 1:
+        raise NotImplementedError(
+            f"hetero.wrap: a process group of {world} ranks is not supported yet (multi-process "
+            "sharding is planned); run one process, or pass a single-rank process_group")
+
+
+def _minimum_device_budget(units: list[Unit], parents: list[Optional[int]]) -> int:
+    """Bytes the device must hold: the param blocks of a unit and of every unit enclosing it
+    (their forwards are still running), plus one grad block being accumulated."""
+    need = 0
+    for u in units:
+        blocks: dict[int, Block] = {}
+        i: Optional[int] = u.index
+        while i is not None:
+            blocks.update({id(b): b for b in units[i].param_blocks})
+            i = parents[i]
+        grads = [b.chunk.blocks[GRAD].nbytes for b in blocks.values() if GRAD in b.chunk.blocks]
+        need = max(need, sum(b.nbytes for b in blocks.values()) + max(grads, default=0))
+    return need
+
+
+def _parents(units: list[tuple[str, nn.Module]]) -> list[Optional[int]]:
+    index = {id(m): i for i, (_, m) in enumerate(units)}
+    parents: list[Optional[int]] = [None] * len(units)
+
+    def visit(m: nn.Module, owner: Optional[int]) -> None:
+        for c in m.children():
+            if id(c) in index:
+                parents[index[id(c)]] = owner
+                visit(c, index[id(c)])
+            else:
+                visit(c, owner)
+
+    visit(units[0][1], 0)
+    return parents
+
+
+def _state_bytes(chunks: list[Chunk], with_optimizer: bool) -> int:
+    total = 0
+    for c in chunks:
+        for b in c.blocks.values():
+            total += align_up(b.nbytes)
+        if with_optimizer and c.requires_grad:
+            total += 2 * align_up(c.blocks[PARAM].nbytes)  # exp_avg and exp_avg_sq
+    return total
+
+
+def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]], chunks: list[Chunk]) -> None:
+    device_min = _minimum_device_budget(units, parents)
+    if cfg.device_budget < device_min:
+        raise HeteroConfigError(
+            f"device_budget={cfg.device_budget} ({format_size(cfg.device_budget)}) is too small: the "
+            f"largest wrapped unit (with the units enclosing it and one grad block) needs "
+            f"{device_min} bytes ({format_size(device_min)}); pass device_budget>={device_min}, a "
+            "smaller chunk_size, or an auto_wrap_policy with smaller units")
+    trainable = [c for c in chunks if c.requires_grad]
+    largest = max((c.blocks[PARAM].nbytes for c in chunks), default=0)
+    step_set = max((4 * align_up(c.blocks[PARAM].nbytes) for c in trainable), default=align_up(largest))
+    host_min = step_set if cfg.nvme_path is not None else align_up(largest)
+    if cfg.host_budget < host_min:
+        raise HeteroConfigError(
+            f"host_budget={cfg.host_budget} ({format_size(cfg.host_budget)}) is too small: the host "
+            f"tier stages blocks to and from NVMe and runs the optimizer step of a chunk, which needs "
+            f"{host_min} bytes ({format_size(host_min)}); pass host_budget>={host_min} or a smaller chunk_size")
+    total = _state_bytes(chunks, with_optimizer=False)
+    capacity = cfg.device_budget + cfg.host_budget + cfg.nvme_budget
+    if total > capacity:
+        raise HeteroOOMError(
+            f"the model's parameters and gradients need {format_size(total)} but the tiers hold "
+            f"{format_size(capacity)} (device {format_size(cfg.device_budget)}, host "
+            f"{format_size(cfg.host_budget)}, nvme {format_size(cfg.nvme_budget)}); raise a budget or "
+            "set nvme_path")
+
+
+def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
+                 param_init_fn: Optional[Callable[[nn.Module], None]], device: torch.device) -> None:
+    """Fill each chunk's param block, streaming: a meta-device module is initialized module by
+    module into a per-chunk staging buffer, and a chunk goes to its tier as soon as it is full."""
+    slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
+    staging: dict[int, torch.Tensor] = {}
+    missing = {c.index: len(c.slots) for c in chunks}
+    done: set[int] = set()
+
+    def stage(p: nn.Parameter) -> None:
+        chunk, slot = slot_of[id(p)]
+        flat = staging.get(chunk.index)
+        if flat is None:
+            flat = staging[chunk.index] = torch.empty(chunk.numel, dtype=chunk.dtype)
+        with torch.no_grad():
+            slot.slice(flat).copy_(p.detach())
+        missing[chunk.index] -= 1
+        if missing[chunk.index] == 0:
+            runtime.create(chunk.blocks[PARAM], staging.pop(chunk.index))
+
+    for m in root.modules():
+        params = list(m.parameters(recurse=False))
+        meta = [p for p in params if p.is_meta] + [b for b in m.buffers(recurse=False) if b.is_meta]
+        if meta:
+            m.to_empty(device="cpu", recurse=False)
+            if param_init_fn is not None:
+                param_init_fn(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        for p in params:
+            if id(p) in slot_of and id(p) not in done:  # tied parameters are staged once
+                done.add(id(p))
+                stage(p)
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+    assert not staging and all(v == 0 for v in missing.values())
+
+
+def wrap(
+    module: nn.Module,
+    *,
+    device: Any = None,
+    device_budget: config_mod.SizeLike = None,
+    host_budget: config_mod.SizeLike = None,
+    nvme_path: Any = None,
+    nvme_budget: config_mod.SizeLike = None,
+    policy: Any = "auto",
+    chunk_size: config_mod.SizeLike = "64MiB",
+    prefetch: int = 2,
+    auto_wrap_policy: Any = None,
+    sharding_strategy: Any = "FULL_SHARD",
+    mixed_precision: Any = None,
+    process_group: Any = None,
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+) -> HeteroModule:
+    """Place ``module``'s training state across device, host and NVMe under hard budgets.
+
+    See ``shared/API.md`` for every argument. Raises HeteroConfigError (before anything moves) for
+    invalid arguments and budgets below the minimum, HeteroOOMError when the tiers together cannot
+    hold the parameters and gradients.
+    """
+    if not isinstance(module, nn.Module):
+        raise HeteroConfigError(f"module={type(module).__name__} is not accepted; expected a torch.nn.Module")
+    if isinstance(module, HeteroModule):
+        raise HeteroConfigError("module is already a HeteroModule; expected an unwrapped torch.nn.Module")
+    cfg = config_mod.resolve(
+        device=device, device_budget=device_budget, host_budget=host_budget, nvme_path=nvme_path,
+        nvme_budget=nvme_budget, policy=policy, chunk_size=chunk_size, prefetch=prefetch,
+        auto_wrap_policy=auto_wrap_policy, sharding_strategy=sharding_strategy,
+        mixed_precision=mixed_precision, process_group=process_group, param_init_fn=param_init_fn)
+    if cfg.mixed_precision is not None and cfg.mixed_precision.param_dtype not in (None, torch.float32):
+        raise HeteroConfigError(
+            f"mixed_precision.param_dtype={cfg.mixed_precision.param_dtype} is not supported yet; "
+            "expected None or torch.float32 (bf16/fp16 compute with fp32 masters is planned)")
+    bad = [n for n, p in module.named_parameters() if p.device.type not in ("cpu", "meta")]
+    if bad:
+        raise HeteroConfigError(f"module has parameters on {module.get_parameter(bad[0]).device} "
+                                f"({bad[0]!r}); expected a module on the CPU or the meta device")
+    _check_process_group(cfg.process_group)
+    if any(state_of(p) is not None for p in module.parameters()):
+        raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
+
+    wrap_policy = cfg.auto_wrap_policy or default_auto_wrap_policy(module)
+    chosen = select_units(module, wrap_policy)
+    per_unit = unit_params(chosen)
+    names: dict[int, list[str]] = {}
+    owner: dict[int, nn.Parameter] = {}
+    for found in per_unit:
+        for p, name in found:
+            names.setdefault(id(p), []).append(name)
+            owner[id(p)] = p
+    packed: set[int] = set()
+    groups = []
+    for found in per_unit:
+        group = []
+        for p, _ in found:
+            if id(p) not in packed:
+                packed.add(id(p))
+                group.append((p, names[id(p)]))
+        groups.append(group)
+    chunks = pack(groups, cfg.chunk_size, cfg.device)
+    param_block = {id(s.param): c.blocks[PARAM] for c in chunks for s in c.slots}
+    units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]))
+             for i, ((name, m), found) in enumerate(zip(chosen, per_unit))]
+    parents = _parents(chosen)
+    _check_budgets(cfg, units, parents, chunks)
+    if cfg.param_init_fn is None:
+        for name, m in module.named_modules():
+            if any(p.is_meta for p in m.parameters(recurse=False)) and not hasattr(m, "reset_parameters"):
+                raise HeteroConfigError(
+                    f"module {name or type(m).__name__!r} has meta-device parameters and no "
+                    "reset_parameters(); pass param_init_fn=callable(module) to initialize them")
+
+    # Nothing has moved so far; from here on the runtime places the state.
+    runtime = Runtime(cfg, chunks, make_policy(cfg.policy), _state_bytes(chunks, with_optimizer=True))
+    try:
+        _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device)
+    except BaseException:
+        runtime.close()
+        raise
+    state = HeteroState(cfg, module, units, chunks, runtime)
+    for unit in units:
+        register_hooks(state, unit)
+    ref = weakref.ref(state)
+    for c in chunks:
+        for s in c.slots:
+            _MANAGED[s.param] = ref
+            if c.requires_grad:
+                s.param.register_post_accumulate_grad_hook(_grad_hook(ref))
+    log.info("hetero.wrap: %d units, %d chunks, %s of parameters; budgets device %s, host %s, nvme %s",
+             len(units), len(chunks), format_size(sum(c.blocks[PARAM].nbytes for c in chunks)),
+             format_size(cfg.device_budget), format_size(cfg.host_budget), format_size(cfg.nvme_budget))
+    return HeteroModule(module, state)
+
+
+def _grad_hook(ref: "weakref.ref[HeteroState]") -> Callable[[nn.Parameter], None]:
+    def hook(param: nn.Parameter) -> None:
+        state = ref()
+        if state is not None:
+            state.accumulate_grad(param)
+
+    return hook
