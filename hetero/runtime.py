@@ -38,7 +38,8 @@ class Runtime:
         self.tiers: dict[str, Tier] = {DEVICE: Tier(DEVICE, cfg.device_budget),
                                        HOST: Tier(HOST, cfg.host_budget)}
         pin = cfg.device.type == "cuda"
-        self.arena = HostArena(min(cfg.host_budget, host_arena_bytes), pin=pin)
+        # Slack over the state's size absorbs fragmentation when the budget is not the limit.
+        self.arena = HostArena(min(cfg.host_budget, host_arena_bytes + host_arena_bytes // 4), pin=pin)
         self.swap: Optional[SwapSpace] = None
         if cfg.nvme_path is not None:
             self.tiers[NVME] = Tier(NVME, cfg.nvme_budget)
@@ -218,7 +219,9 @@ class Runtime:
             victims = [self._info(b) for b in self.blocks()
                        if tier in b.tiers and not b.pins.get(tier) and b not in protect]
             if not victims:
-                raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
+                why = ("every block there is in use" if t.free < need else
+                       f"no contiguous free range of {need} bytes is left (fragmentation)")
+                raise HeteroOOMError(self._oom_message(block, tier, why))
             victim = self.policy.victim(tier, victims)
             self._evict(self._by_id(victim.id), tier, protect)
 

@@ -40,6 +40,7 @@ class Unit:
     module: nn.Module
     param_blocks: list[Block] = dataclasses.field(default_factory=list)
     calls: list["Call"] = dataclasses.field(default_factory=list)  # open forward calls (a stack)
+    backward_pins: int = 0  # calls whose backward currently holds the param blocks
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,8 +48,9 @@ class Call:
     """One forward call of a unit, tracked until its backward is done."""
 
     unit: Unit
-    position: int  # index of this call in the step's forward order
-    pinned: bool = False
+    position: int  # index of this call in the step's forward order (-1: a checkpoint re-run)
+    forward_pinned: bool = False  # holds the param blocks for its forward
+    pinned: bool = False  # holds the param blocks for its backward
 
 
 def default_auto_wrap_policy(root: nn.Module) -> Callable[[nn.Module, bool, int], bool]:
@@ -153,7 +155,7 @@ def register_hooks(state: "HeteroState", unit: Unit) -> None:
 
     def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
         call = unit.calls.pop()
-        state.post_forward(unit)
+        state.post_forward(call)
         if torch.is_grad_enabled():
             output = _map_tensors(lambda ts: _apply(_PreBackward, state, call, ts), output)
         return output

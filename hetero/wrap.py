@@ -58,29 +58,49 @@ class HeteroState:
     # --------------------------------------------------------------- hooks (see hetero.units)
 
     def pre_forward(self, unit: Unit) -> Call:
-        self.runtime.acquire(unit.param_blocks)
-        position = len(self._order)
-        self._order.append(unit.index)
-        self._prefetch(self._last_order[position + 1:position + 1 + self.cfg.prefetch])
-        return Call(unit, position)
+        if torch._C._current_graph_task_id() == -1:  # a real forward
+            position = len(self._order)
+            self._order.append(unit.index)
+            self.runtime.acquire(unit.param_blocks)
+            self._prefetch(self._last_order[position + 1:position + 1 + self.cfg.prefetch])
+            return Call(unit, position, forward_pinned=True)
+        # Activation checkpointing re-runs this forward inside backward. Non-reentrant checkpoint
+        # may stop the re-run early, so the post-forward hook is not guaranteed: rely on the
+        # backward pin when there is one, else pin until this backward pass ends.
+        call = Call(unit, position=-1)
+        if unit.backward_pins == 0:
+            self.runtime.acquire(unit.param_blocks)
+            call.forward_pinned = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_recompute(call))
+        return call
 
-    def post_forward(self, unit: Unit) -> None:
-        self.runtime.release(unit.param_blocks)
+    def post_forward(self, call: Call) -> None:
+        if call.forward_pinned:
+            self.runtime.release(call.unit.param_blocks)
+            call.forward_pinned = False
+
+    def _end_recompute(self, call: Call) -> None:
+        self.post_forward(call)
+        if call in call.unit.calls:
+            call.unit.calls.remove(call)
 
     def pre_backward(self, call: Call) -> None:
         if call.pinned:
             return
         self.runtime.acquire(call.unit.param_blocks)
         call.pinned = True
+        call.unit.backward_pins += 1
         # Released by _PostBackward, or at the latest when this backward pass ends.
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.post_backward(call))
-        lo = max(0, call.position - self.cfg.prefetch)
-        self._prefetch(self._order[lo:call.position][::-1])
+        if call.position > 0:  # the units whose backward comes next
+            lo = max(0, call.position - self.cfg.prefetch)
+            self._prefetch(self._order[lo:call.position][::-1])
 
     def post_backward(self, call: Call) -> None:
         if call.pinned:
             self.runtime.release(call.unit.param_blocks)
             call.pinned = False
+            call.unit.backward_pins -= 1
 
     def _prefetch(self, unit_indices: list[int]) -> None:
         if unit_indices:
@@ -114,6 +134,7 @@ class HeteroState:
         self.runtime.unpin_all()
         for unit in self.units:
             unit.calls.clear()
+            unit.backward_pins = 0
         self._order = []
 
     # --------------------------------------------------------------- whole-model views

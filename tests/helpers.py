@@ -1,0 +1,76 @@
+"""Training loops shared by the tests: the same model trained eagerly and through hetero."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import hetero
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, hetero.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adam": (torch.optim.Adam, hetero.optim.Adam, dict(lr=1e-2, weight_decay=0.05)),
+}
+
+
+def budgets(total: int, device: float | None, host: float | None, nvme_path: Any = None) -> dict:
+    """wrap() kwargs giving the device and host tiers the given fractions of ``total`` bytes."""
+    kw: dict[str, Any] = {"device": "cpu"}
+    if device is not None:
+        kw["device_budget"] = int(total * device)
+    if host is not None:
+        kw["host_budget"] = int(total * host)
+    if nvme_path is not None:
+        kw["nvme_path"] = str(nvme_path)
+    return kw
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def train_pair(make: Callable[[], nn.Module], wrap_kwargs: dict, data: list, *, opt: str = "adamw",
+               step_fn: Callable | None = None) -> tuple[list[float], list[float], nn.Module, hetero.HeteroModule]:
+    """Train ``make()`` eagerly and a deep copy through hetero on the same batches.
+
+    ``step_fn(model, optimizer, batch) -> loss`` defaults to forward, backward, step, zero_grad.
+    Returns both loss curves, the eager model and the hetero model.
+    """
+    torch_cls, hetero_cls, hp = OPTIMIZERS[opt]
+    eager = make()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **wrap_kwargs)
+    eager_opt = torch_cls(eager.parameters(), **hp)
+    hetero_opt = hetero_cls(wrapped.parameters(), **hp)
+    step_fn = step_fn or default_step
+    eager_losses = [step_fn(eager, eager_opt, b) for b in data]
+    hetero_losses = [step_fn(wrapped, hetero_opt, b) for b in data]
+    return eager_losses, hetero_losses, eager, wrapped
+
+
+def default_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> float:
+    x, y = batch
+    loss = loss_of(model(x, y))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def assert_same_model(eager: nn.Module, wrapped: hetero.HeteroModule) -> None:
+    got = wrapped.state_dict()
+    want = eager.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].device.type == "cpu"
+        torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{k}: {m}")
+
+
+def assert_within_budgets(wrapped: hetero.HeteroModule) -> dict:
+    rep = wrapped.placement_report().as_dict()
+    for name, tier in rep["tiers"].items():
+        assert tier["peak"] <= tier["capacity"], f"{name} peak {tier['peak']} > capacity {tier['capacity']}"
+        assert 0 <= tier["used"] <= tier["peak"]
+    return rep
