@@ -94,17 +94,15 @@ class Adam(torch.optim.Optimizer):
                 if c.requires_grad and any(id(s.param) in groups for s in c.slots)]
 
     def _check_capacity(self) -> None:
-        st = self._state
-        rt = st.runtime
-        need = sum(2 * align_up(c.blocks[PARAM].nbytes) for c in self._chunks()
-                   if EXP_AVG not in c.blocks or not c.blocks[EXP_AVG].tiers)
-        used = sum(t.used for t in rt.tiers.values())
+        """Refuse up front when parameters, gradients and these optimizer states cannot all fit."""
+        rt = self._state.runtime
+        need = sum(align_up(b.nbytes) for c in self._state.chunks for b in c.blocks.values())
+        need += sum(2 * align_up(c.blocks[PARAM].nbytes) for c in self._chunks() if EXP_AVG not in c.blocks)
         capacity = sum(t.capacity for t in rt.tiers.values())
-        if used + need > capacity:
+        if need > capacity:
             raise HeteroOOMError(
-                f"the optimizer states need {format_size(need)} more but the tiers have "
-                f"{format_size(capacity - used)} free of {format_size(capacity)} "
-                f"({', '.join(f'{n} {format_size(t.free)} free' for n, t in rt.tiers.items())}); "
+                f"parameters, gradients and optimizer states need {format_size(need)} but the tiers "
+                f"hold {format_size(capacity)} ({', '.join(f'{n} {format_size(t.capacity)}' for n, t in rt.tiers.items())}); "
                 "raise a budget or set nvme_path")
 
     # ------------------------------------------------------------------ stepping

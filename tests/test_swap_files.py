@@ -1,0 +1,303 @@
+"""Lifetime and permissions of the NVMe tier's swap files.
+
+With ``nvme_path=DIR`` the runtime makes a private ``DIR/hetero-swap-*`` directory (0700) holding its
+swap files (0600) while the module lives, and removes it when the module is garbage collected, on
+``close()``, after an exception in a training step once the module is freed, and at interpreter exit
+(normal or by an uncaught exception). Swap never outlives the process that wrote it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import hetero
+from models import GPT, batches, state_bytes
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def make_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(vocab=64, d=32, n_layer=2)
+
+
+def wrap_on_nvme(nvme_path, seed: int = 0) -> hetero.HeteroModule:
+    """A model whose budgets (device 20%, host 30% of the training state) force swapping."""
+    model = make_model(seed)
+    total = state_bytes(model)
+    return hetero.wrap(model, device="cpu", device_budget=int(total * 0.20), host_budget=int(total * 0.30),
+                       nvme_path=str(nvme_path), nvme_budget=4 * total, chunk_size="8KiB")
+
+
+def train(model: hetero.HeteroModule, opt: torch.optim.Optimizer, steps: int = 2, seed: int = 0) -> list[float]:
+    """Train in a function of its own, so no loss tensor (and its graph) outlives the call."""
+    losses = []
+    for x, y in batches(steps, seed=seed):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    return losses
+
+
+def swap_dirs(parent) -> list[Path]:
+    return sorted(p for p in Path(parent).iterdir() if p.name.startswith("hetero-swap-"))
+
+
+def the_swap_dir(parent) -> Path:
+    dirs = swap_dirs(parent)
+    assert len(dirs) == 1, f"expected one hetero-swap-* directory in {parent}, found {dirs}"
+    return dirs[0]
+
+
+def used_nvme(model: hetero.HeteroModule) -> None:
+    rep = model.placement_report().as_dict()
+    assert rep["traffic"]["host->nvme"] > 0, rep["traffic"]
+    assert "nvme" in rep["tiers"]
+
+
+# ------------------------------------------------------------------------------ while alive
+
+
+def test_private_directory_and_file_modes(tmp_path):
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt)
+    used_nvme(model)
+    d = the_swap_dir(tmp_path)
+    assert d.parent == tmp_path
+    assert d.is_dir() and not d.is_symlink()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert d.stat().st_uid == os.geteuid()
+    files = list(d.iterdir())
+    assert files, "no swap files"
+    for f in files:
+        st = f.lstat()
+        assert stat.S_ISREG(st.st_mode), f
+        assert stat.S_IMODE(st.st_mode) == 0o600, (f, oct(st.st_mode))
+    # nothing else was written next to the private directory
+    assert [p.name for p in tmp_path.iterdir()] == [d.name]
+    model.close()
+
+
+def test_nvme_path_created_if_missing(tmp_path):
+    parent = tmp_path / "a" / "b"
+    model = wrap_on_nvme(parent)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, 1)
+    d = the_swap_dir(parent)
+    model.close()
+    assert not d.exists()
+    assert parent.is_dir()  # the user's directory stays; only the private one goes
+
+
+def test_two_models_get_separate_directories(tmp_path):
+    a = wrap_on_nvme(tmp_path, seed=0)
+    b = wrap_on_nvme(tmp_path, seed=1)
+    opt_a = hetero.optim.AdamW(a.parameters(), lr=1e-3)
+    opt_b = hetero.optim.AdamW(b.parameters(), lr=1e-3)
+    train(a, opt_a)
+    train(b, opt_b)
+    dirs = swap_dirs(tmp_path)
+    assert len(dirs) == 2
+    a.close()
+    left = swap_dirs(tmp_path)
+    assert len(left) == 1
+    train(b, opt_b, seed=1)  # the other model's swap is intact
+    used_nvme(b)
+    del b, opt_b
+    gc.collect()
+    assert swap_dirs(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ removal
+
+
+def test_removed_when_module_is_garbage_collected(tmp_path):
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt)
+    used_nvme(model)
+    d = the_swap_dir(tmp_path)
+    assert any(d.iterdir())
+    del model, opt
+    gc.collect()
+    assert not d.exists()
+    assert swap_dirs(tmp_path) == []
+
+
+def test_removed_when_wrapped_but_never_trained(tmp_path):
+    model = wrap_on_nvme(tmp_path)
+    d = the_swap_dir(tmp_path)
+    del model
+    gc.collect()
+    assert not d.exists()
+
+
+def test_removed_by_close(tmp_path):
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt)
+    used_nvme(model)
+    d = the_swap_dir(tmp_path)
+    model.close()
+    assert not d.exists()
+    model.close()  # idempotent
+    del model, opt
+    gc.collect()
+    assert swap_dirs(tmp_path) == []
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def raise_in_block(module, args):
+    raise Boom("forward failed half-way")
+
+
+def failing_forwards(model: hetero.HeteroModule) -> None:
+    """Forwards that raise half-way: in a hook of the second block, and on bad input."""
+    x, y = batches(1, seed=7)[0]
+    handle = model.module.h[1].register_forward_pre_hook(raise_in_block)
+    try:
+        with pytest.raises(Boom):
+            model(x, y)
+    finally:
+        handle.remove()
+    with pytest.raises((IndexError, RuntimeError)):
+        model(torch.full_like(x, 10_000), y)  # token ids out of the embedding's range
+    bad_targets = torch.full_like(y, 10_000)
+    with pytest.raises((IndexError, RuntimeError)):
+        model(x, bad_targets)  # fails after every block ran
+
+
+def test_removed_after_exception_in_training_step(tmp_path):
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt)
+    d = the_swap_dir(tmp_path)
+    failing_forwards(model)
+    assert d.exists()
+    del model, opt
+    gc.collect()
+    assert not d.exists()
+
+
+def test_training_continues_after_failed_forward(tmp_path):
+    """A failed forward leaves no block pinned and no state changed: training afterwards matches
+    eager training that never saw the failure, under budgets that make every block move."""
+    torch.manual_seed(0)
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+
+    ref_losses = train(ref, ref_opt, 2)
+    losses = train(model, opt, 2)
+    for _ in range(3):  # repeated failures must not accumulate pins
+        failing_forwards(model)
+    ref_losses += train(ref, ref_opt, 3, seed=1)
+    losses += train(model, opt, 3, seed=1)
+    used_nvme(model)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert sd.keys() == ref_sd.keys()
+    for k in ref_sd:
+        torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-5, atol=1e-6, msg=k)
+    rep = model.placement_report().as_dict()
+    for name, tier in rep["tiers"].items():
+        assert tier["peak"] <= tier["capacity"], name
+    model.close()
+
+
+def test_removed_after_exception_in_backward(tmp_path):
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, 1)
+    d = the_swap_dir(tmp_path)
+
+    def fail_backward(grad):
+        raise Boom("backward failed half-way")
+
+    x, y = batches(1)[0]
+    handle = model.module.h[1].fc.weight.register_hook(fail_backward)  # after h[1]'s backward began
+    try:
+        loss = model(x, y)
+        with pytest.raises(Boom):
+            loss.backward()
+        del loss
+    finally:
+        handle.remove()
+    del model, opt
+    gc.collect()
+    assert not d.exists()
+
+
+# ------------------------------------------------------------------------------ interpreter exit
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    import torch
+    import hetero
+    from models import GPT, batches, state_bytes
+
+    nvme_path, mode = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, n_layer=2)
+    total = state_bytes(model)
+    model = hetero.wrap(model, device="cpu", device_budget=int(total * 0.20), host_budget=int(total * 0.30),
+                        nvme_path=nvme_path, nvme_budget=4 * total, chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches(2):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.placement_report().as_dict()["traffic"]["host->nvme"] > 0
+    (swap,) = [p for p in os.listdir(nvme_path) if p.startswith("hetero-swap-")]
+    swap = os.path.join(nvme_path, swap)
+    assert os.listdir(swap)
+    print("SWAPDIR", swap, flush=True)
+    if mode == "raise":
+        raise RuntimeError("uncaught exception with the model alive")
+    if mode == "raise-in-forward":
+        model.module.h[1].register_forward_pre_hook(lambda m, a: 1 / 0)
+        model(x, y)
+    # mode "exit": fall off the end with model, opt and loss alive
+""")
+
+
+def test_removed_at_interpreter_exit(tmp_path):
+    modes = {"exit": 0, "raise": 1, "raise-in-forward": 1}
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    procs = {}
+    for mode in modes:  # run concurrently: each pays for importing torch
+        path = tmp_path / mode
+        path.mkdir()
+        procs[mode] = (path, subprocess.Popen([sys.executable, "-c", SCRIPT, str(path), mode], env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for mode, (path, proc) in procs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == modes[mode], f"{mode}: rc={proc.returncode}\n{out}\n{err}"
+        lines = [line for line in out.splitlines() if line.startswith("SWAPDIR ")]
+        assert len(lines) == 1, f"{mode}:\n{out}\n{err}"
+        swap = Path(lines[0].split(" ", 1)[1])
+        assert swap.parent == path
+        assert not swap.exists(), f"{mode}: {swap} survived interpreter exit"
+        assert list(path.iterdir()) == [], f"{mode}: left {list(path.iterdir())}"
+        if mode != "exit":
+            assert "Traceback" in err

@@ -1,0 +1,155 @@
+"""FSDP-style features through hetero equal eager PyTorch: accumulation, no_sync, clipping,
+state dicts (model and optimizer, interchangeable with torch's), summon_full_params."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hetero
+from helpers import assert_same_model, assert_within_budgets, budgets, loss_of, train_pair
+from models import GPT, batches, state_bytes
+
+
+def make() -> GPT:
+    torch.manual_seed(0)
+    return GPT()
+
+
+@pytest.fixture(params=["device25_host", "device20_host30_nvme"])
+def tight(request, tmp_path) -> dict:
+    total = state_bytes(make())
+    if request.param == "device25_host":
+        return budgets(total, 0.25, None) | {"chunk_size": "8KiB"}
+    return budgets(total, 0.20, 0.30, tmp_path) | {"chunk_size": "8KiB"}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_accumulation_no_sync_and_clipping(tight: dict, norm_type: float) -> None:
+    data = batches(6, seed=2)
+
+    eager = make()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for start in (0, 3):
+        micro = data[start:start + 3]
+        for i, (x, y) in enumerate(micro):
+            (loss_of(eager(x, y)) / 3).backward()
+            ctx = wrapped.no_sync() if i < 2 else torch.enable_grad()
+            with ctx:
+                (loss_of(wrapped(x, y)) / 3).backward()
+        en = torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.5, norm_type)
+        hn = wrapped.clip_grad_norm_(0.5, norm_type)
+        torch.testing.assert_close(hn.cpu(), en)
+        assert en > 0.5  # clipping really happened
+        eopt.step(), hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    assert_within_budgets(wrapped)
+
+
+def test_zero_grad_set_to_none_false(tight: dict) -> None:
+    def step(model, opt, batch):
+        x, y = batch
+        loss = loss_of(model(x, y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss.item()
+
+    make_routed = lambda: (torch.manual_seed(0), GPT(routed=True))[1]
+    e, h, eager, wrapped = train_pair(make_routed, tight, batches(4, seed=5), step_fn=step)
+    assert h == pytest.approx(e, rel=1e-5)
+    assert_same_model(eager, wrapped)
+
+
+def test_state_dict_round_trip(tight: dict) -> None:
+    _, _, eager, wrapped = train_pair(make, tight, batches(2))
+    sd = wrapped.state_dict()
+    assert set(sd) == set(eager.state_dict())  # original keys, tied weight under both names
+    assert all(v.device.type == "cpu" for v in sd.values())
+    fresh = GPT()
+    fresh.load_state_dict(sd)
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[k], v)
+    # ...and back: load a different model's weights into the wrapped one
+    other = GPT()
+    wrapped.load_state_dict(other.state_dict())
+    assert_same_model(other, wrapped)
+    x, y = batches(1)[0]
+    torch.testing.assert_close(loss_of(wrapped(x, y)), loss_of(other(x, y)))
+
+
+def test_optimizer_state_dict_interchangeable_with_torch(tight: dict) -> None:
+    data = batches(5, seed=7)
+    # hetero -> torch: continue eagerly from hetero's optimizer state
+    wrapped2 = hetero.wrap(make(), **{**tight, "nvme_path": tight.get("nvme_path")})
+    hopt = hetero.optim.AdamW(wrapped2.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in data[:3]:
+        loss_of(wrapped2(x, y)).backward()
+        hopt.step()
+        hopt.zero_grad()
+    osd = hopt.state_dict()
+    assert set(osd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert float(osd["state"][0]["step"]) == 3
+    plain = GPT()
+    plain.load_state_dict(wrapped2.state_dict())
+    topt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    topt.load_state_dict(osd)
+    # torch -> hetero: a fresh hetero optimizer loads torch's state dict
+    wrapped3 = hetero.wrap(copy.deepcopy(plain), **{**tight, "nvme_path": tight.get("nvme_path")})
+    hopt3 = hetero.optim.AdamW(wrapped3.parameters(), lr=1e-2, weight_decay=0.1)
+    hopt3.load_state_dict(topt.state_dict())
+    for x, y in data[3:]:
+        for model, opt in ((wrapped2, hopt), (plain, topt), (wrapped3, hopt3)):
+            loss_of(model(x, y)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(plain, wrapped2)
+    assert_same_model(plain, wrapped3)
+
+
+def test_plain_torch_optimizer_raises_clear_error(tight: dict) -> None:
+    wrapped = hetero.wrap(make(), **tight)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    x, y = batches(1)[0]
+    loss_of(wrapped(x, y)).backward()
+    before = wrapped.state_dict()
+    with pytest.raises(hetero.HeteroStateError, match="hetero.optim.AdamW"):
+        opt.step()
+    after = wrapped.state_dict()
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
+
+
+def test_summon_full_params_reads_and_writes_back(tight: dict) -> None:
+    _, _, eager, wrapped = train_pair(make, tight, batches(2))
+    with wrapped.summon_full_params():
+        for (n, p), (_, q) in zip(wrapped.named_parameters(), eager.named_parameters()):
+            torch.testing.assert_close(p.detach(), q.detach())
+        with torch.no_grad():
+            wrapped.module.ln_f.weight.mul_(2)
+    torch.testing.assert_close(wrapped.state_dict()["ln_f.weight"], eager.ln_f.weight.detach() * 2)
+
+
+def test_named_parameters_are_the_original_ones() -> None:
+    model = make()
+    originals = dict(model.named_parameters())
+    wrapped = hetero.wrap(model, device="cpu")
+    assert dict(wrapped.named_parameters()).keys() == originals.keys()
+    for n, p in wrapped.named_parameters():
+        assert p is originals[n] and isinstance(p, torch.nn.Parameter)
+    assert wrapped.module is model
+    assert wrapped.h is model.h  # attribute access falls through to the wrapped module
+
+
+def test_eval_under_no_grad_matches(tight: dict) -> None:
+    model = make()
+    wrapped = hetero.wrap(copy.deepcopy(model), **tight)
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), model(x))
+    assert_within_budgets(wrapped)
