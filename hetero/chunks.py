@@ -69,10 +69,16 @@ class Block:
 
 
 class Chunk:
-    """Parameters of one dtype (and one ``requires_grad``) packed into a flat buffer."""
+    """Parameters of one dtype (and one ``requires_grad``) packed into a flat buffer.
+
+    ``dtype`` is the compute dtype of the param block. With mixed precision the parameters'
+    original values are kept at full precision in a ``master`` block (``master_dtype``), and the
+    param block holds their low-precision compute copy; gradients are in ``grad_dtype``.
+    """
 
     def __init__(self, index: int, dtype: torch.dtype, requires_grad: bool,
-                 slots: list[ParamSlot], device: torch.device) -> None:
+                 slots: list[ParamSlot], device: torch.device,
+                 master_dtype: Optional[torch.dtype] = None, grad_dtype: Optional[torch.dtype] = None) -> None:
         self.index = index
         self.dtype = dtype
         self.requires_grad = requires_grad
@@ -80,10 +86,25 @@ class Chunk:
         self.numel = sum(s.numel for s in slots)
         self.compute_device = device
         self.blocks: dict[str, Block] = {PARAM: Block(self, PARAM, dtype)}
+        if master_dtype is not None:
+            self.blocks[MASTER] = Block(self, MASTER, master_dtype)
         if requires_grad:
-            self.blocks[GRAD] = Block(self, GRAD, dtype)
+            self.blocks[GRAD] = Block(self, GRAD, grad_dtype or dtype)
+        # Pending gradient scale (from clipping) for low-precision gradients: applied in fp32 by the
+        # optimizer, as it would be on fp32 master gradients, instead of rounding it into the block.
+        self.grad_scale: Optional[torch.Tensor] = None
         # NaN placeholder shown by parameters whose block is off the device (expand: no memory).
         self._poison = torch.full((), math.nan, dtype=dtype, device=device)
+
+    @property
+    def full_precision(self) -> Block:
+        """The block holding the parameters' authoritative values: master if any, else param."""
+        return self.blocks.get(MASTER, self.blocks[PARAM])
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """dtype of optimizer states (as torch: the dtype of the parameter being updated)."""
+        return self.full_precision.dtype
 
     def add_block(self, kind: str, dtype: torch.dtype) -> Block:
         block = self.blocks.get(kind)
@@ -107,8 +128,13 @@ class Chunk:
 
 
 def pack(groups: Iterable[list[tuple[nn.Parameter, list[str]]]], chunk_bytes: int,
-         device: torch.device) -> list[Chunk]:
-    """Pack parameters into chunks of about ``chunk_bytes``.
+         device: torch.device, compute_dtype: Optional[torch.dtype] = None,
+         grad_dtype: Optional[torch.dtype] = None) -> list[Chunk]:
+    """Pack parameters into chunks of about ``chunk_bytes`` (measured in their own dtype).
+
+    With ``compute_dtype`` (mixed precision), floating-point chunks of another dtype compute in
+    ``compute_dtype`` and keep a master block in their own dtype; gradients are in ``grad_dtype``
+    (default: the compute dtype).
 
     ``groups`` yields one list of ``(param, names)`` per wrapped unit in the order units are
     expected to run; chunks never span two units, so fetching a unit fetches only its own bytes. A
@@ -122,7 +148,12 @@ def pack(groups: Iterable[list[tuple[nn.Parameter, list[str]]]], chunk_bytes: in
         def close(key: tuple[torch.dtype, bool]) -> None:
             slots = open_by_key.pop(key)
             open_bytes.pop(key)
-            chunks.append(Chunk(len(chunks), key[0], key[1], slots, device))
+            dtype, requires_grad = key
+            if compute_dtype is not None and dtype.is_floating_point and dtype != compute_dtype:
+                chunks.append(Chunk(len(chunks), compute_dtype, requires_grad, slots, device,
+                                    master_dtype=dtype, grad_dtype=grad_dtype))
+            else:
+                chunks.append(Chunk(len(chunks), dtype, requires_grad, slots, device))
 
         for p, names in group:
             key = (p.dtype, p.requires_grad)

@@ -14,12 +14,13 @@ import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import config as config_mod
-from .chunks import EXP_AVG, EXP_AVG_SQ, GRAD, PARAM, Block, Chunk, ParamSlot, pack
+from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, format_size
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .policy import make_policy
@@ -116,6 +117,9 @@ class HeteroState:
         self.runtime.acquire([block], DEVICE, write=True)
         try:
             with torch.no_grad():
+                if chunk.grad_scale is not None:  # clipped, then accumulated into: apply the clip
+                    block.device.mul_(chunk.grad_scale.to(block.device.device))
+                    chunk.grad_scale = None
                 dst = slot.slice(block.device)
                 if slot.has_grad:
                     dst.add_(grad)
@@ -144,19 +148,22 @@ class HeteroState:
 
     @contextlib.contextmanager
     def full_params(self, writeback: bool) -> Iterator[None]:
-        """Point every parameter at a full CPU copy of its value; optionally write changes back."""
+        """Point every parameter at a full-precision CPU copy of its value (the master when mixed
+        precision keeps one); optionally write changes back."""
         copies: list[tuple[Chunk, torch.Tensor]] = []
         self.summoned = True
         try:
             for chunk in self.chunks:
-                flat = self.runtime.read(chunk.blocks[PARAM])
+                flat = self.runtime.read(chunk.full_precision)
                 copies.append((chunk, flat))
                 for s in chunk.slots:
                     s.param.data = s.slice(flat)
             yield
             if writeback:
                 for chunk, flat in copies:
-                    self.runtime.write(chunk.blocks[PARAM], flat)
+                    if MASTER in chunk.blocks:
+                        self.runtime.write(chunk.blocks[MASTER], flat)
+                    self.runtime.write(chunk.blocks[PARAM], flat.to(chunk.dtype))
         finally:
             self.summoned = False
             for chunk, _ in copies:
@@ -209,6 +216,10 @@ class HeteroModule(nn.Module):
             return getattr(self._modules["module"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mp = self._hetero_state.cfg.mixed_precision
+        if mp is not None and mp.param_dtype is not None:  # as FSDP: cast floating inputs at the root
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
         try:
             return self.module(*args, **kwargs)
         except BaseException:
@@ -321,7 +332,7 @@ def _state_bytes(chunks: list[Chunk], with_optimizer: bool) -> int:
         for b in c.blocks.values():
             total += align_up(b.nbytes)
         if with_optimizer and c.requires_grad:
-            total += 2 * align_up(c.blocks[PARAM].nbytes)  # exp_avg and exp_avg_sq
+            total += 2 * align_up(c.full_precision.nbytes)  # exp_avg and exp_avg_sq
     return total
 
 
@@ -335,7 +346,8 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             "smaller chunk_size, or an auto_wrap_policy with smaller units")
     trainable = [c for c in chunks if c.requires_grad]
     largest = max((c.blocks[PARAM].nbytes for c in chunks), default=0)
-    step_set = max((4 * align_up(c.blocks[PARAM].nbytes) for c in trainable), default=align_up(largest))
+    step_set = max((sum(align_up(b.nbytes) for b in c.blocks.values()) + 2 * align_up(c.full_precision.nbytes)
+                    for c in trainable), default=align_up(largest))
     host_min = step_set if cfg.nvme_path is not None else align_up(largest)
     if cfg.host_budget < host_min:
         raise HeteroConfigError(
@@ -353,9 +365,11 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
 
 
 def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
-                 param_init_fn: Optional[Callable[[nn.Module], None]], device: torch.device) -> None:
-    """Fill each chunk's param block, streaming: a meta-device module is initialized module by
-    module into a per-chunk staging buffer, and a chunk goes to its tier as soon as it is full."""
+                 param_init_fn: Optional[Callable[[nn.Module], None]], device: torch.device,
+                 buffer_dtype: Optional[torch.dtype]) -> None:
+    """Fill each chunk's param (and master) block, streaming: a meta-device module is initialized
+    module by module into a per-chunk staging buffer, and a chunk goes to its tiers as soon as it
+    is full. Buffers move to the device (cast to ``buffer_dtype`` when given)."""
     slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
     staging: dict[int, torch.Tensor] = {}
     missing = {c.index: len(c.slots) for c in chunks}
@@ -365,12 +379,15 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
         chunk, slot = slot_of[id(p)]
         flat = staging.get(chunk.index)
         if flat is None:
-            flat = staging[chunk.index] = torch.empty(chunk.numel, dtype=chunk.dtype)
+            flat = staging[chunk.index] = torch.empty(chunk.numel, dtype=chunk.full_precision.dtype)
         with torch.no_grad():
             slot.slice(flat).copy_(p.detach())
         missing[chunk.index] -= 1
         if missing[chunk.index] == 0:
-            runtime.create(chunk.blocks[PARAM], staging.pop(chunk.index))
+            flat = staging.pop(chunk.index)
+            if MASTER in chunk.blocks:
+                runtime.create(chunk.blocks[MASTER], flat)
+            runtime.create(chunk.blocks[PARAM], flat.to(chunk.dtype))
 
     for m in root.modules():
         params = list(m.parameters(recurse=False))
@@ -386,8 +403,9 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                 done.add(id(p))
                 stage(p)
         for name, b in list(m._buffers.items()):
-            if b is not None and b.device != device:
-                m._buffers[name] = b.to(device)
+            if b is not None:
+                cast = buffer_dtype if buffer_dtype is not None and b.is_floating_point() else b.dtype
+                m._buffers[name] = b.to(device=device, dtype=cast)
     assert not staging and all(v == 0 for v in missing.values())
 
 
@@ -423,10 +441,6 @@ def wrap(
         nvme_budget=nvme_budget, policy=policy, chunk_size=chunk_size, prefetch=prefetch,
         auto_wrap_policy=auto_wrap_policy, sharding_strategy=sharding_strategy,
         mixed_precision=mixed_precision, process_group=process_group, param_init_fn=param_init_fn)
-    if cfg.mixed_precision is not None and cfg.mixed_precision.param_dtype not in (None, torch.float32):
-        raise HeteroConfigError(
-            f"mixed_precision.param_dtype={cfg.mixed_precision.param_dtype} is not supported yet; "
-            "expected None or torch.float32 (bf16/fp16 compute with fp32 masters is planned)")
     bad = [n for n, p in module.named_parameters() if p.device.type not in ("cpu", "meta")]
     if bad:
         raise HeteroConfigError(f"module has parameters on {module.get_parameter(bad[0]).device} "
@@ -453,7 +467,10 @@ def wrap(
                 packed.add(id(p))
                 group.append((p, names[id(p)]))
         groups.append(group)
-    chunks = pack(groups, cfg.chunk_size, cfg.device)
+    mp = cfg.mixed_precision
+    chunks = pack(groups, cfg.chunk_size, cfg.device,
+                  compute_dtype=mp.param_dtype if mp else None,
+                  grad_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None)
     param_block = {id(s.param): c.blocks[PARAM] for c in chunks for s in c.slots}
     units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]))
              for i, ((name, m), found) in enumerate(zip(chosen, per_unit))]
@@ -469,7 +486,8 @@ def wrap(
     # Nothing has moved so far; from here on the runtime places the state.
     runtime = Runtime(cfg, chunks, make_policy(cfg.policy), _state_bytes(chunks, with_optimizer=True))
     try:
-        _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device)
+        _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device,
+                     mp.buffer_dtype if mp else None)
     except BaseException:
         runtime.close()
         raise

@@ -194,6 +194,25 @@ def test_short_read_past_end_of_file(io, tmp_path):
         io.read(f, 0, engine.aligned_empty(4 * PAGE)).wait()
 
 
+def test_open_falls_back_when_o_direct_is_refused(io, tmp_path, monkeypatch):
+    real = io._engine
+
+    class RefusesDirect:  # a file system that rejects O_DIRECT with EINVAL (older tmpfs)
+        def open(self, path: str, size: int, direct: bool) -> int:
+            return -1 if direct else real.open(path, size, False)
+
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+    monkeypatch.setattr(io, "_engine", RefusesDirect())
+    f = io.open(tmp_path / "buffered.bin", PAGE)
+    assert not f.direct
+    io.write(f, 0, torch.ones(10)).wait()  # unaligned is fine without O_DIRECT
+    io.close(f)
+    with pytest.raises(HeteroIOError, match="does not support O_DIRECT"):
+        io.open(tmp_path / "buffered.bin", PAGE, direct=True)
+
+
 def test_files_are_mode_0600_and_grown_not_shrunk(io, tmp_path):
     path = tmp_path / "mode.bin"
     f = io.open(path, 3 * PAGE)

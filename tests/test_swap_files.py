@@ -271,9 +271,7 @@ SCRIPT = textwrap.dedent("""
     swap = os.path.join(nvme_path, swap)
     assert os.listdir(swap)
     print("SWAPDIR", swap, flush=True)
-    if mode == "raise":
-        raise RuntimeError("uncaught exception with the model alive")
-    if mode == "raise-in-forward":
+    if mode == "raise":  # an uncaught exception raised half-way through a forward
         model.module.h[1].register_forward_pre_hook(lambda m, a: 1 / 0)
         model(x, y)
     # mode "exit": fall off the end with model, opt and loss alive
@@ -281,8 +279,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_removed_at_interpreter_exit(tmp_path):
-    modes = {"exit": 0, "raise": 1, "raise-in-forward": 1}
-    env = dict(os.environ)
+    modes = {"exit": 0, "raise": 1}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
     procs = {}
     for mode in modes:  # run concurrently: each pays for importing torch
@@ -299,5 +297,5 @@ def test_removed_at_interpreter_exit(tmp_path):
         assert swap.parent == path
         assert not swap.exists(), f"{mode}: {swap} survived interpreter exit"
         assert list(path.iterdir()) == [], f"{mode}: left {list(path.iterdir())}"
-        if mode != "exit":
-            assert "Traceback" in err
+        if mode == "raise":
+            assert "ZeroDivisionError" in err

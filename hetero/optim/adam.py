@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, PARAM, Chunk, ParamSlot
+from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Chunk, ParamSlot
 from ..config import format_size
 from ..errors import HeteroConfigError, HeteroOOMError
 from ..tiers import DEVICE, HOST, align_up
@@ -97,7 +97,7 @@ class Adam(torch.optim.Optimizer):
         """Refuse up front when parameters, gradients and these optimizer states cannot all fit."""
         rt = self._state.runtime
         need = sum(align_up(b.nbytes) for c in self._state.chunks for b in c.blocks.values())
-        need += sum(2 * align_up(c.blocks[PARAM].nbytes) for c in self._chunks() if EXP_AVG not in c.blocks)
+        need += sum(2 * align_up(c.full_precision.nbytes) for c in self._chunks() if EXP_AVG not in c.blocks)
         capacity = sum(t.capacity for t in rt.tiers.values())
         if need > capacity:
             raise HeteroOOMError(
@@ -123,7 +123,7 @@ class Adam(torch.optim.Optimizer):
 
     def _tier_for(self, chunk: Chunk) -> str:
         rt = self._state.runtime
-        blocks = [chunk.blocks[k] for k in (PARAM, GRAD, EXP_AVG, EXP_AVG_SQ)]
+        blocks = list(chunk.blocks.values())
         fits = sum(b.nbytes for b in blocks) <= rt.tiers[DEVICE].capacity
         return DEVICE if fits and DEVICE in chunk.blocks[EXP_AVG].tiers else HOST
 
@@ -143,26 +143,35 @@ class Adam(torch.optim.Optimizer):
             if not runs:
                 continue
             for kind in (EXP_AVG, EXP_AVG_SQ):
-                block = chunk.add_block(kind, chunk.dtype)
+                block = chunk.add_block(kind, chunk.state_dtype)
                 if not block.tiers:
                     rt.create(block)
             tier = self._tier_for(chunk)
-            param, grad, m, v = (chunk.blocks[k] for k in (PARAM, GRAD, EXP_AVG, EXP_AVG_SQ))
+            master, grad, m, v = (chunk.full_precision, chunk.blocks[GRAD], chunk.blocks[EXP_AVG],
+                                  chunk.blocks[EXP_AVG_SQ])
+            param = chunk.blocks[PARAM] if MASTER in chunk.blocks else None  # low-precision copy
+            writes = [master, m, v] + ([param] if param is not None else [])
             rt.acquire([grad], tier)
-            rt.acquire([param, m, v], tier, write=True)
+            rt.acquire(writes, tier, write=True)
             try:
-                p_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (param, grad, m, v))
+                w_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (master, grad, m, v))
                 for start, end, g, step in runs:
                     group = self.param_groups[g]
                     beta1, beta2 = group["betas"]
-                    adam_update_(p_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end],
+                    w = w_flat[start:end]
+                    grad_in = g_flat[start:end].to(w.dtype)
+                    if chunk.grad_scale is not None:
+                        grad_in = grad_in * chunk.grad_scale.to(grad_in.device)
+                    adam_update_(w, grad_in, m_flat[start:end], v_flat[start:end],
                                  step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                  weight_decay=group["weight_decay"], decoupled=self._decoupled)
+                    if param is not None:
+                        rt.data(param, tier)[start:end].copy_(w)
                 for s in chunk.slots:
                     if id(s.param) in groups and s.has_grad:
                         s.step += 1
             finally:
-                rt.release([grad, param, m, v], tier)
+                rt.release([grad] + writes, tier)
         st.end_step()
         return loss
 
@@ -175,6 +184,7 @@ class Adam(torch.optim.Optimizer):
             slots = [s for s in chunk.slots if id(s.param) in groups and s.has_grad]
             if not slots:
                 continue
+            chunk.grad_scale = None
             if set_to_none:
                 for s in slots:
                     s.has_grad = False
@@ -244,8 +254,8 @@ class Adam(torch.optim.Optimizer):
         for index, items in by_chunk.items():
             chunk = chunks[index]
             for kind in (EXP_AVG, EXP_AVG_SQ):
-                block = chunk.add_block(kind, chunk.dtype)
-                flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=chunk.dtype)
+                block = chunk.add_block(kind, chunk.state_dtype)
+                flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=block.dtype)
                 for slot, entry in items:
                     slot.slice(flat).copy_(entry[kind])
                 rt.write(block, flat)

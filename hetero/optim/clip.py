@@ -25,12 +25,16 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
     for chunk in chunks:
         block = chunk.blocks[GRAD]
         tier = rt.working_tier(block)
+        scale = chunk.grad_scale
         rt.acquire([block], tier)
         try:
             flat = rt.data(block, tier)
             for s in chunk.slots:
                 if s.has_grad:
-                    per_param[id(s.param)] = torch.linalg.vector_norm(s.slice(flat), norm_type).to(state.cfg.device)
+                    g = s.slice(flat)  # low-precision gradients are measured in fp32, as on their masters
+                    g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+                    g = g if scale is None else g * scale.to(g.device)
+                    per_param[id(s.param)] = torch.linalg.vector_norm(g, norm_type).to(state.cfg.device)
         finally:
             rt.release([block], tier)
     norms = [per_param[id(p)] for p in dict.fromkeys(params) if id(p) in per_param]
@@ -40,6 +44,9 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for chunk in chunks:
         block = chunk.blocks[GRAD]
+        if block.dtype in (torch.float16, torch.bfloat16):  # scaled in fp32 by the optimizer step
+            chunk.grad_scale = coef if chunk.grad_scale is None else chunk.grad_scale * coef
+            continue
         tier = rt.working_tier(block)
         rt.acquire([block], tier, write=True)
         try:

@@ -1,0 +1,305 @@
+"""The ``hetero`` command line (also ``python -m hetero``).
+
+``hetero train``    trains the bundled GPT (:mod:`hetero.models`) on learnable synthetic data with
+                    its training state spread over device, host and NVMe, then prints the
+                    placement report, the budgets and the step time.
+``hetero profile``  runs the bundled model for a few steps under given budgets and policy and writes
+                    the report (JSON), a Chrome/Perfetto trace, a plot and the access log.
+
+By default the device budget is a fifth of the model's training state (16 bytes per parameter:
+param, grad, exp_avg, exp_avg_sq in fp32), the host budget a quarter, and the rest goes to swap
+files in a temporary directory that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from . import models
+from .config import format_size, parse_size
+from .errors import HeteroError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "small"
+DEFAULT_STEPS = 300
+DEFAULT_BATCH = 8
+DEFAULT_CHUNK = "1MiB"
+DEVICE_FRACTION = 5  # device budget = state / 5
+HOST_FRACTION = 4  # host budget = state / 4
+
+
+@dataclasses.dataclass
+class Budgets:
+    state: int  # Adam training-state bytes of the model
+    device: int
+    host: int
+    nvme: Optional[int]  # None: no NVMe tier
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        nvme = "off" if self.nvme is None else format_size(self.nvme)
+        return (f"training state {format_size(self.state)} (16 B/param); budgets: device "
+                f"{format_size(self.device)} (state/{self.state / self.device:.1f}), host "
+                f"{format_size(self.host)}, nvme {nvme}")
+
+
+@dataclasses.dataclass
+class RunResult:
+    model: str
+    config: dict[str, Any]
+    params: int
+    budgets: Budgets
+    device: str
+    chunk_size: str
+    policy: str
+    seed: int
+    batch_size: int
+    lr: float
+    losses: list[float]
+    step_times: list[float]
+    entropy: float  # the data's entropy rate: the lowest loss any model can reach
+    wall_seconds: float
+    report: Any  # hetero.Report
+
+    @property
+    def median_step(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else float("nan")
+
+    def final_loss(self, window: int = 10) -> float:
+        tail = self.losses[-window:]
+        return sum(tail) / len(tail) if tail else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "config": self.config, "params": self.params,
+            "budgets": self.budgets.as_dict(), "device": self.device, "chunk_size": self.chunk_size,
+            "policy_requested": self.policy, "seed": self.seed, "batch_size": self.batch_size,
+            "lr": self.lr, "steps_run": len(self.losses), "median_step_seconds": self.median_step,
+            "wall_seconds": self.wall_seconds, "step_times": self.step_times, "losses": self.losses,
+            "final_loss": self.final_loss(), "entropy_floor": self.entropy,
+        }
+
+    def json_dict(self) -> dict[str, Any]:
+        """``report.as_dict()`` (its schema at the top level) plus the run's own figures."""
+        d = self.report.as_dict()
+        d["run"] = self.summary()
+        return d
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool) -> Budgets:
+    dev = parse_size(device_budget, "device_budget") or state // DEVICE_FRACTION
+    host = parse_size(host_budget, "host_budget") or state // HOST_FRACTION
+    # NVMe holds the rest; its cap is the whole state, leaving room for clean copies of blocks
+    # that also sit on a faster tier.
+    return Budgets(state=state, device=dev, host=host, nvme=state if nvme else None)
+
+
+@contextlib.contextmanager
+def nvme_dir(path: Optional[str], disabled: bool) -> Iterator[Optional[str]]:
+    """The swap directory: the given one, else a temporary one removed afterwards."""
+    if disabled:
+        yield None
+    elif path:
+        yield path
+    else:
+        with tempfile.TemporaryDirectory(prefix="hetero-nvme-") as tmp:
+            yield tmp
+
+
+def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_size: int = DEFAULT_BATCH,
+        lr: float = 1e-3, device: Optional[str] = None, device_budget: Any = None,
+        host_budget: Any = None, nvme_path: Optional[str] = None, no_nvme: bool = False,
+        chunk_size: str = DEFAULT_CHUNK, policy: str = "auto", seed: int = 0,
+        progress: bool = True, desc: str = "hetero train") -> RunResult:
+    """Train the bundled GPT preset ``model_name`` with hetero for ``steps`` steps."""
+    import hetero
+
+    cfg = models.get_config(model_name)
+    dev = resolve_device(device)
+    torch.manual_seed(seed)
+    model = models.GPT(cfg)
+    params = model.num_params()
+    data = models.MarkovData(cfg.vocab_size, seed=seed)
+    budgets = default_budgets(models.state_bytes(model), device_budget, host_budget, not no_nvme)
+    losses: list[float] = []
+    times: list[float] = []
+    start = time.perf_counter()
+    with nvme_dir(nvme_path, no_nvme) as swap:
+        wrapped = hetero.wrap(model, device=dev, device_budget=budgets.device,
+                              host_budget=budgets.host, nvme_path=swap, nvme_budget=budgets.nvme,
+                              chunk_size=chunk_size, policy=policy)
+        try:
+            opt = hetero.optim.AdamW(wrapped.parameters(), lr=lr)
+            losses, times = train_loop(wrapped, opt, data, cfg.block_size, steps, batch_size, dev,
+                                       progress=progress, desc=desc)
+            report = wrapped.placement_report()
+        finally:
+            wrapped.close()
+    return RunResult(model_name, dataclasses.asdict(cfg), params, budgets, str(dev), str(chunk_size),
+                     policy, seed, batch_size, lr, losses, times, data.entropy(),
+                     time.perf_counter() - start, report)
+
+
+def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, data: models.MarkovData,
+               seq_len: int, steps: int, batch_size: int, device: torch.device, *,
+               progress: bool = True, desc: str = "train") -> tuple[list[float], list[float]]:
+    """``steps`` training steps on fresh batches; returns the loss and the seconds of each step
+    (forward, backward, optimizer step and zero_grad; data generation excluded)."""
+    from tqdm import tqdm
+
+    losses: list[float] = []
+    times: list[float] = []
+    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
+    for _ in bar:
+        x, y = (t.to(device) for t in data.batch(batch_size, seq_len))
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.item()
+        times.append(time.perf_counter() - t0)
+        losses.append(value)
+        bar.set_postfix_str(f"loss {value:.3f}, {times[-1]:.2f} s/step")
+    bar.close()
+    return losses, times
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(models.PRESETS),
+                   help=f"bundled GPT preset (default {DEFAULT_MODEL})")
+    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                   help=f"sequences per step (default {DEFAULT_BATCH})")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--device", default=None,
+                   help="compute device (default: cuda when available, else cpu)")
+    p.add_argument("--device-budget", default=None,
+                   help=f"bytes of model state on the device, e.g. 16MiB (default: state/{DEVICE_FRACTION})")
+    p.add_argument("--host-budget", default=None,
+                   help=f"bytes of model state in host memory (default: state/{HOST_FRACTION})")
+    p.add_argument("--nvme-path", default=None,
+                   help="directory for swap files (default: a temporary directory, removed afterwards)")
+    p.add_argument("--no-nvme", action="store_true", help="disable the NVMe tier")
+    p.add_argument("--chunk-size", default=DEFAULT_CHUNK, help=f"chunk size (default {DEFAULT_CHUNK})")
+    p.add_argument("--policy", default="auto", help="placement policy: auto, opt, hotness, lru, static")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_from_args(args: argparse.Namespace, desc: str) -> RunResult:
+    return run(args.model, args.steps, batch_size=args.batch_size, lr=args.lr, device=args.device,
+               device_budget=args.device_budget, host_budget=args.host_budget,
+               nvme_path=args.nvme_path, no_nvme=args.no_nvme, chunk_size=args.chunk_size,
+               policy=args.policy, seed=args.seed, progress=not args.no_progress, desc=desc)
+
+
+def _print_summary(res: RunResult) -> None:
+    b = res.budgets
+    print(res.report)
+    print(f"model: {res.model} GPT, {res.params / 1e6:.2f}M parameters, "
+          f"{res.config['n_layer']} blocks, on {res.device}")
+    print(b.describe())
+    print(f"state / device budget = {b.state / b.device:.1f}x")
+    if res.losses:
+        print(f"steps: {len(res.losses)}, median step {res.median_step:.3f} s/step, "
+              f"wall {res.wall_seconds:.1f} s")
+        print(f"loss: first {res.losses[0]:.3f}, final {res.final_loss():.3f} (mean of last "
+              f"{min(10, len(res.losses))}), floor {res.entropy:.3f} (data entropy)")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    res = _run_from_args(args, "hetero train")
+    _print_summary(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res.json_dict(), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    res = _run_from_args(args, "hetero profile")
+    paths = {name: os.path.join(args.out, name)
+             for name in ("report.json", "trace.json", "placement.png", "access_log.jsonl")}
+    with open(paths["report.json"], "w") as f:
+        json.dump(res.json_dict(), f, indent=1)
+    res.report.to_chrome_trace(paths["trace.json"])
+    res.report.plot(paths["placement.png"])
+    res.report.save_access_log(paths["access_log.jsonl"])
+    _print_summary(res)
+    for path in paths.values():
+        print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetero", description="Place PyTorch training state across device, host and NVMe.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    train = sub.add_parser(
+        "train", help="train the bundled GPT with its state spread over device, host and NVMe",
+        description="Train the bundled GPT on learnable synthetic data (a random Markov chain) with "
+                    "its training state spread over device, host and NVMe; print the placement "
+                    "report, the budgets and the step time.")
+    _add_run_args(train, steps=DEFAULT_STEPS)
+    train.add_argument("--json", metavar="PATH", help="write report.as_dict() plus the run's figures")
+    train.set_defaults(func=cmd_train)
+
+    prof = sub.add_parser(
+        "profile", help="run the bundled model and write report, trace, plot and access log",
+        description="Run the bundled GPT for a few steps under the given budgets and policy; write "
+                    "report.json, trace.json (Chrome/Perfetto), placement.png and access_log.jsonl.")
+    _add_run_args(prof, steps=10)
+    prof.add_argument("--out", default="hetero-profile", help="output directory (default hetero-profile)")
+    prof.set_defaults(func=cmd_profile)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except HeteroError as exc:
+        print(f"hetero {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Mixed precision: bf16/fp16 compute copies on the device, fp32 masters placed by the runtime,
+equal to torch's fp32-master recipe (compute in a low-precision copy, step the fp32 master)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hetero
+from helpers import assert_within_budgets, budgets
+from models import GPT, batches, state_bytes
+
+
+def make() -> GPT:
+    torch.manual_seed(0)
+    return GPT()
+
+
+def eager_master_recipe(dtype: torch.dtype, data, clip: float | None):
+    master = make()
+    compute = copy.deepcopy(master).to(dtype)
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for x, y in data:
+        loss = compute(x, y)
+        loss.backward()
+        for pm, pc in zip(master.parameters(), compute.parameters()):
+            pm.grad = None if pc.grad is None else pc.grad.float()
+            pc.grad = None
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for pm, pc in zip(master.parameters(), compute.parameters()):
+                pc.copy_(pm)
+        losses.append(loss.item())
+    return losses, master
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split", ["all_device", "device25_host30_nvme"])
+def test_mixed_precision_matches_fp32_master_recipe(dtype, split, tmp_path) -> None:
+    data = batches(4, seed=3)
+    want_losses, master = eager_master_recipe(dtype, data, clip=None)
+    kw = {"device": "cpu"} if split == "all_device" else budgets(state_bytes(make()), 0.25, 0.3, tmp_path)
+    wrapped = hetero.wrap(make(), **kw, chunk_size="8KiB",
+                          mixed_precision=hetero.MixedPrecision(param_dtype=dtype))
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for x, y in data:
+        loss = wrapped(x, y)
+        assert loss.dtype == dtype
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(want_losses, rel=1e-3)
+    sd = wrapped.state_dict()
+    for k, v in master.state_dict().items():
+        assert sd[k].dtype == torch.float32  # the state dict holds the fp32 masters
+        torch.testing.assert_close(sd[k], v)
+    rep = assert_within_budgets(wrapped)
+    kinds = {b["kind"] for b in rep["blocks"]}
+    assert {"param", "grad", "master", "exp_avg", "exp_avg_sq"} <= kinds
+    sizes = {(b["id"].split(".")[0], b["kind"]): b["bytes"] for b in rep["blocks"]}
+    for (chunk, kind), n in sizes.items():
+        if kind == "param":
+            assert sizes[(chunk, "master")] == 2 * n  # 2-byte compute copy, 4-byte master
+
+
+def test_mixed_precision_clip_and_state_dict_round_trip() -> None:
+    data = batches(3, seed=8)
+    _, master = eager_master_recipe(torch.bfloat16, data, clip=0.5)
+    wrapped = hetero.wrap(make(), device="cpu", chunk_size="8KiB",
+                          mixed_precision=hetero.MixedPrecision(param_dtype=torch.bfloat16))
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in data:
+        wrapped(x, y).backward()
+        wrapped.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    sd = wrapped.state_dict()
+    for k, v in master.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-3, atol=1e-3)
+    fresh = hetero.wrap(GPT(), device="cpu", mixed_precision=hetero.MixedPrecision(param_dtype=torch.bfloat16))
+    fresh.load_state_dict(sd)
+    for k, v in fresh.state_dict().items():
+        torch.testing.assert_close(v, sd[k], rtol=0, atol=0)
+    x, y = data[0]
+    torch.testing.assert_close(fresh(x, y), wrapped(x, y))
