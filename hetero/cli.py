@@ -34,7 +34,7 @@ from .errors import HeteroError
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "small"
-DEFAULT_STEPS = 300
+DEFAULT_STEPS = 400
 DEFAULT_BATCH = 8
 DEFAULT_CHUNK = "1MiB"
 DEVICE_FRACTION = 5  # device budget = state / 5
@@ -112,9 +112,9 @@ def resolve_device(device: Optional[str]) -> torch.device:
 def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool) -> Budgets:
     dev = parse_size(device_budget, "device_budget") or state // DEVICE_FRACTION
     host = parse_size(host_budget, "host_budget") or state // HOST_FRACTION
-    # NVMe holds the rest; its cap is the whole state, leaving room for clean copies of blocks
-    # that also sit on a faster tier.
-    return Budgets(state=state, device=dev, host=host, nvme=state if nvme else None)
+    # NVMe holds the rest. Its cap is twice the state: a block has at most one copy there, so it
+    # never fills up, whatever mix of sole and clean copies (and swap-file fragmentation) it holds.
+    return Budgets(state=state, device=dev, host=host, nvme=2 * state if nvme else None)
 
 
 @contextlib.contextmanager

@@ -32,8 +32,8 @@ class GPTConfig:
 
 #: Named presets. ``small`` is what ``hetero train`` trains by default.
 PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=2, n_embd=64),
-    "small": GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=256),
+    "tiny": GPTConfig(vocab_size=128, block_size=32, n_layer=8, n_head=2, n_embd=64),
+    "small": GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=128),
     "medium": GPTConfig(vocab_size=512, block_size=128, n_layer=8, n_head=8, n_embd=512),
     "large": GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=12, n_embd=768),
 }

@@ -18,33 +18,46 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .chunks import PARAM, Block, Chunk
+from .chunks import EXP_AVG, PARAM, Block, Chunk
 from .config import Config, format_size
 from .errors import HeteroOOMError
 from .policy import BlockInfo, Policy
-from .tiers import DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, align_up
+from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, slot_size_for,
+                    slots_for)
 from .tracker import Tracker
 
 log = logging.getLogger(__name__)
 
 
+def expected_block_bytes(chunks: Sequence[Chunk]) -> list[int]:
+    """Bytes of every block the chunks have or will have (Adam's two states per trainable chunk)."""
+    sizes = []
+    for c in chunks:
+        sizes += [b.nbytes for b in c.blocks.values()]
+        if c.requires_grad and EXP_AVG not in c.blocks:
+            sizes += [c.full_precision.nbytes] * 2
+    return sizes
+
+
 class Runtime:
-    def __init__(self, cfg: Config, chunks: Sequence[Chunk], policy: Policy,
-                 host_arena_bytes: int) -> None:
+    def __init__(self, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> None:
         self.device = cfg.device
         self.chunks = list(chunks)
         self.policy = policy
         self.tracker = Tracker()
         self.tiers: dict[str, Tier] = {DEVICE: Tier(DEVICE, cfg.device_budget),
                                        HOST: Tier(HOST, cfg.host_budget)}
-        pin = cfg.device.type == "cuda"
-        # Slack over the state's size absorbs fragmentation when the budget is not the limit.
-        self.arena = HostArena(min(cfg.host_budget, host_arena_bytes + host_arena_bytes // 4), pin=pin)
+        sizes = expected_block_bytes(chunks)
+        self.slot_size = slot_size_for(cfg.chunk_size, sizes)
+        # The arena holds what the host budget allows, and no more than the whole state.
+        needed = sum(slots_for(n, self.slot_size) for n in sizes)
+        self.arena = HostArena(min(cfg.host_budget // self.slot_size, needed), self.slot_size,
+                               pin=cfg.device.type == "cuda")
         self.swap: Optional[SwapSpace] = None
+        self._in_flight: set[Block] = set()  # blocks whose copy is being made: never victims
         if cfg.nvme_path is not None:
             self.tiers[NVME] = Tier(NVME, cfg.nvme_budget)
-            largest = max((b.nbytes for c in chunks for b in c.blocks.values()), default=0)
-            self.swap = SwapSpace(cfg.nvme_path, cfg.nvme_budget, largest)
+            self.swap = SwapSpace(cfg.nvme_path, cfg.nvme_budget, self.slot_size, max(sizes, default=0))
 
     # ------------------------------------------------------------------ queries
 
@@ -91,7 +104,7 @@ class Runtime:
             else:
                 block.chunk.detach_params()
         if tier == NVME:
-            self._evict(block, HOST, protect={block})
+            self._evict(block, HOST)
 
     def acquire(self, blocks: Sequence[Block], tier: str = DEVICE, write: bool = False,
                 record: bool = True) -> None:
@@ -180,31 +193,45 @@ class Runtime:
         return BlockInfo(block.id, block.kind, block.nbytes, clean_below=len(block.tiers) > 1)
 
     def _size_on(self, tier: str, block: Block) -> int:
-        return block.nbytes if tier == DEVICE else align_up(block.nbytes)
+        """Bytes ``block`` takes from ``tier``'s budget: whole slots below the device."""
+        return block.nbytes if tier == DEVICE else slots_for(block.nbytes, self.slot_size) * self.slot_size
 
     def _fetch(self, block: Block, tier: str, protect: set[Block], stall: bool = True) -> None:
+        """Make a valid copy of ``block`` on ``tier`` (host or device). ``protect`` are the other
+        blocks of the same acquire: they are not evicted from ``tier`` to make room."""
         if tier in block.tiers:
             return
         assert block.tiers, f"{block} was never created"
-        if tier == DEVICE and HOST not in block.tiers:  # NVMe -> device goes through host
-            self._fetch(block, HOST, protect, stall)
         assert tier != NVME, "blocks reach NVMe only by eviction"
+        if tier == DEVICE and HOST not in block.tiers:  # NVMe -> device goes through host
+            self._fetch(block, HOST, set(), stall)
         src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
         start = self.tracker.now()
-        self._alloc(block, tier, protect)
+        self._in_flight.add(block)
         try:
-            self._copy(block, src, tier)
-        except BaseException:
-            self._free(block, tier, present=False)
-            raise
+            self._alloc(block, tier, protect)
+            try:
+                self._copy(block, src, tier)
+            except BaseException:
+                self._free(block, tier, present=False)
+                raise
+        finally:
+            self._in_flight.discard(block)
         block.tiers.add(tier)
         if tier == DEVICE and block.kind == PARAM:
             block.chunk.attach_params()
         if stall:
             self.tracker.stall(start, self.tracker.now(), block.id)
 
+    def _evictable(self, b: Block, tier: str, protect: set[Block]) -> bool:
+        if tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._in_flight:
+            return False
+        below = TIER_ORDER[TIER_ORDER.index(tier) + 1:]
+        return len(b.tiers) > 1 or any(t in self.tiers for t in below)
+
     def _alloc(self, block: Block, tier: str, protect: set[Block]) -> None:
-        """Reserve space for ``block`` on ``tier``, evicting policy-chosen victims as needed."""
+        """Reserve space for ``block`` on ``tier``, evicting as needed: policy-chosen victims while
+        bytes are short, then (for a block spanning several slots) the cheapest contiguous run."""
         t = self.tiers.get(tier)
         if t is None:
             raise HeteroOOMError(self._oom_message(block, tier, "that tier is not enabled"))
@@ -216,17 +243,27 @@ class Runtime:
                 t.reserve(need)
                 self.tracker.used(tier, t.used)
                 return
-            victims = [self._info(b) for b in self.blocks()
-                       if tier in b.tiers and not b.pins.get(tier) and b not in protect]
-            if not victims:
-                why = ("every block there is in use" if t.free < need else
-                       f"no contiguous free range of {need} bytes is left (fragmentation)")
-                raise HeteroOOMError(self._oom_message(block, tier, why))
-            victim = self.policy.victim(tier, victims)
-            self._evict(self._by_id(victim.id), tier, protect)
+            if t.free < need:
+                victims = [self._info(b) for b in self.blocks() if self._evictable(b, tier, protect)]
+                if not victims:
+                    raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
+                self._evict(self._by_id(self.policy.victim(tier, victims).id), tier)
+                continue
+            window = self._window(block, tier, protect)
+            if window is None:
+                raise HeteroOOMError(self._oom_message(
+                    block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))
+            for victim in window:
+                self._evict(victim, tier)
+
+    def _window(self, block: Block, tier: str, protect: set[Block]) -> Optional[list[Block]]:
+        pools = [self.arena.pool] if tier == HOST else self.swap.pools
+        windows = [w for w in (p.window(block.nbytes, lambda b: self._evictable(b, tier, protect))
+                               for p in pools) if w is not None]
+        return min(windows, key=len, default=None)
 
     def _place(self, block: Block, tier: str) -> bool:
-        """Carve storage for ``block`` on ``tier``; False when no contiguous range is free."""
+        """Carve storage for ``block`` on ``tier``; False when no contiguous run of slots is free."""
         if tier == DEVICE:
             if block.device is None:
                 block.device = torch.empty(block.numel, dtype=block.dtype, device=self.device)
@@ -234,28 +271,27 @@ class Runtime:
                 block.device.untyped_storage().resize_(block.nbytes)
             return True
         if tier == HOST:
-            block.host_offset = self.arena.alloc(block.nbytes)
+            block.host_offset = self.arena.pool.alloc(block.nbytes, block)
             return block.host_offset is not None
-        block.nvme_loc = self.swap.alloc(block.nbytes)
+        block.nvme_loc = self.swap.alloc(block.nbytes, block)
         return block.nvme_loc is not None
 
-    def _evict(self, block: Block, tier: str, protect: set[Block]) -> None:
+    def _evict(self, block: Block, tier: str) -> None:
         """Remove ``block``'s copy from ``tier``, first writing it one tier down if it is the
         only copy (making room there recursively)."""
         if block.tiers == {tier}:
-            lower_index = TIER_ORDER.index(tier) + 1
-            lower = TIER_ORDER[lower_index] if lower_index < len(TIER_ORDER) else None
-            if lower is None or lower not in self.tiers:
-                raise HeteroOOMError(self._oom_message(block, tier, "there is no lower tier to evict to"))
-            self._alloc(block, lower, protect | {block})
-            start = self.tracker.now()
+            lower = TIER_ORDER[TIER_ORDER.index(tier) + 1]
+            self._in_flight.add(block)
             try:
-                self._copy(block, tier, lower)
-            except BaseException:
-                self._free(block, lower, present=False)
-                raise
+                self._alloc(block, lower, set())
+                try:
+                    self._copy(block, tier, lower)
+                except BaseException:
+                    self._free(block, lower, present=False)
+                    raise
+            finally:
+                self._in_flight.discard(block)
             block.tiers.add(lower)
-            log.debug("evicted %s %s -> %s in %.6fs", block.id, tier, lower, self.tracker.now() - start)
         self._free(block, tier)
 
     def _free(self, block: Block, tier: str, present: bool = True) -> None:
@@ -264,7 +300,7 @@ class Runtime:
                 block.chunk.detach_params()
             block.device.untyped_storage().resize_(0)
         elif tier == HOST:
-            self.arena.free(block.host_offset, block.nbytes)
+            self.arena.pool.free(block.host_offset, block.nbytes)
             block.host_offset = None
         else:
             self.swap.free(block.nvme_loc, block.nbytes)

@@ -4,21 +4,20 @@ A :class:`Tier` is pure accounting: capacity, bytes in use, and the peak it ever
 refuses (with an AssertionError, since the runtime must never ask) any reservation that would take
 it over capacity, so "a budget is a hard cap" is enforced in one place.
 
-The host tier stores blocks in one :class:`HostArena` (pinned when CUDA is present) carved into
-4 KiB-aligned slots; the NVMe tier stores them in a few large swap files (:class:`SwapSpace`) in a
-private directory. Both carve space with the same first-fit :class:`FreeList`.
+The host tier stores blocks in one :class:`HostArena` (pinned when CUDA is present) and the NVMe
+tier in a few large swap files (:class:`SwapSpace`) in a private directory. Both are carved into
+fixed, 4 KiB-aligned slots of about the chunk size by the same :class:`SlotPool`.
 """
 
 from __future__ import annotations
 
 import atexit
-import bisect
 import logging
 import os
 import shutil
 import tempfile
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -64,73 +63,83 @@ class Tier:
         return {"capacity": self.capacity, "used": self.used, "peak": self.peak}
 
 
-class FreeList:
-    """First-fit allocator over ``[0, size)`` with coalescing of neighbouring free ranges.
+def slot_size_for(chunk_size: int, block_bytes: "list[int]") -> int:
+    """Slot size of the host and NVMe tiers: the largest block that respects ``chunk_size``
+    (aligned), so a full chunk's block fills one slot and only oversized parameters span several."""
+    fitting = [n for n in block_bytes if n <= chunk_size]
+    return align_up(max(fitting, default=min(block_bytes, default=ALIGN)))
 
-    Pure bookkeeping (no memory): used for slots in the host arena and in each swap file.
+
+def slots_for(nbytes: int, slot_size: int) -> int:
+    return max(1, -(-nbytes // slot_size))
+
+
+class SlotPool:
+    """Fixed-size slots; a block takes ``ceil(nbytes / slot_size)`` contiguous slots (first fit).
+
+    Pure bookkeeping (no memory), used for the host arena and each swap file. With the slot size
+    set to the chunk size nearly every block takes one slot, so free space is never too
+    fragmented to use; a block larger than a slot (a parameter bigger than ``chunk_size``) needs a
+    contiguous run, which :meth:`window` finds by naming the blocks to evict.
     """
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._starts: list[int] = [0] if size > 0 else []
-        self._ends: dict[int, int] = {0: size} if size > 0 else {}
+    def __init__(self, nslots: int, slot_size: int) -> None:
+        self.slot_size = slot_size
+        self.owner: list[Optional[object]] = [None] * nslots
 
-    def alloc(self, nbytes: int) -> Optional[int]:
-        """Offset of a free range of ``nbytes`` (first fit), or None when no range is big enough."""
-        for i, start in enumerate(self._starts):
-            end = self._ends[start]
-            if end - start >= nbytes:
-                del self._ends[start]
-                if end - start == nbytes:
-                    del self._starts[i]
-                else:
-                    self._starts[i] = start + nbytes
-                    self._ends[start + nbytes] = end
-                return start
+    def slots_for(self, nbytes: int) -> int:
+        return slots_for(nbytes, self.slot_size)
+
+    def alloc(self, nbytes: int, owner: object) -> Optional[int]:
+        """Byte offset of ``slots_for(nbytes)`` free contiguous slots now owned by ``owner``."""
+        n = self.slots_for(nbytes)
+        run = 0
+        for i, o in enumerate(self.owner):
+            run = run + 1 if o is None else 0
+            if run == n:
+                start = i - n + 1
+                self.owner[start:i + 1] = [owner] * n
+                return start * self.slot_size
         return None
 
     def free(self, offset: int, nbytes: int) -> None:
-        start, end = offset, offset + nbytes
-        i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts):
-            assert end <= self._starts[i], "double free or overlap in FreeList"
-            if end == self._starts[i]:  # merge with the following range
-                end = self._ends.pop(self._starts[i])
-                del self._starts[i]
-        if i > 0:
-            prev = self._starts[i - 1]
-            assert self._ends[prev] <= start, "double free or overlap in FreeList"
-            if self._ends[prev] == start:  # merge with the preceding range
-                self._ends[prev] = end
-                return
-        self._starts.insert(i, start)
-        self._ends[start] = end
+        start = offset // self.slot_size
+        n = self.slots_for(nbytes)
+        owners = self.owner[start:start + n]
+        assert owners and owners[0] is not None and all(o is owners[0] for o in owners), "bad free"
+        self.owner[start:start + n] = [None] * n
 
-    @property
-    def largest_free(self) -> int:
-        return max((self._ends[s] - s for s in self._starts), default=0)
+    def window(self, nbytes: int, evictable: "Callable[[object], bool]") -> Optional[list[object]]:
+        """The owners to evict to free a run for ``nbytes``: the run of ``slots_for(nbytes)``
+        slots holding only free slots and evictable owners, with the fewest occupied slots."""
+        n = self.slots_for(nbytes)
+        best: Optional[tuple[int, int]] = None
+        for start in range(len(self.owner) - n + 1):
+            run = self.owner[start:start + n]
+            if all(o is None or evictable(o) for o in run):
+                cost = sum(o is not None for o in run)
+                if best is None or cost < best[0]:
+                    best = (cost, start)
+        if best is None:
+            return None
+        run = self.owner[best[1]:best[1] + n]
+        return list({id(o): o for o in run if o is not None}.values())
 
 
 class HostArena:
-    """One host allocation, carved into aligned slots; pinned when CUDA is present.
+    """One host allocation, carved into fixed slots; pinned when CUDA is present.
 
     The arena is sized to what the host tier can ever hold (``min(budget, model state)``), so the
     pages a small model never touches are never committed.
     """
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.nbytes = align_up(max(nbytes, ALIGN))
+    def __init__(self, nslots: int, slot_size: int, pin: bool) -> None:
+        self.pool = SlotPool(max(1, nslots), slot_size)
+        self.nbytes = len(self.pool.owner) * slot_size
         self.buffer = engine.aligned_empty(self.nbytes, ALIGN, pin=pin)
-        self._free = FreeList(self.nbytes)
-
-    def alloc(self, nbytes: int) -> Optional[int]:
-        return self._free.alloc(align_up(nbytes))
-
-    def free(self, offset: int, nbytes: int) -> None:
-        self._free.free(offset, align_up(nbytes))
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """The uint8 slot at ``offset`` (its full aligned size, as swap I/O needs)."""
+        """The uint8 bytes at ``offset`` (rounded up to the alignment swap I/O needs)."""
         return self.buffer[offset:offset + align_up(nbytes)]
 
 
@@ -160,30 +169,33 @@ class SwapSpace:
 
     MAX_FILES = 4
 
-    def __init__(self, parent: str, capacity: int, largest_block: int, num_threads: int = 4) -> None:
+    def __init__(self, parent: str, capacity: int, slot_size: int, largest_block: int,
+                 num_threads: int = 4) -> None:
         self.dir = make_private_dir(parent)
         # Remove the directory even if close() is never reached (exceptions, interpreter exit).
         self._finalizer = weakref.finalize(self, _remove_dir, self.dir)
         atexit.register(self._finalizer)
-        file_size = max(align_up(-(-capacity // self.MAX_FILES)), align_up(largest_block))
-        nfiles = max(1, min(self.MAX_FILES, -(-capacity // file_size)))
+        total_slots = max(1, capacity // slot_size)
+        per_file = max(-(-total_slots // self.MAX_FILES), -(-largest_block // slot_size))
+        nfiles = max(1, min(self.MAX_FILES, -(-total_slots // per_file)))
+        file_size = per_file * slot_size
         self.io = engine.SwapIO(num_threads=num_threads)
         self.files = [self.io.open(os.path.join(self.dir, f"swap-{i}.bin"), file_size)
                       for i in range(nfiles)]
-        self._free = [FreeList(file_size) for _ in range(nfiles)]
+        self.pools = [SlotPool(per_file, slot_size) for _ in range(nfiles)]
         log.info("NVMe tier: %d swap file(s) of %d bytes in %s (direct I/O: %s)", nfiles, file_size,
                  self.dir, all(f.direct for f in self.files))
 
-    def alloc(self, nbytes: int) -> Optional[tuple[int, int]]:
-        """``(file index, offset)`` of a free aligned range, or None."""
-        for i, fl in enumerate(self._free):
-            off = fl.alloc(align_up(nbytes))
+    def alloc(self, nbytes: int, owner: object) -> Optional[tuple[int, int]]:
+        """``(file index, byte offset)`` of free slots for ``nbytes``, or None."""
+        for i, pool in enumerate(self.pools):
+            off = pool.alloc(nbytes, owner)
             if off is not None:
                 return i, off
         return None
 
     def free(self, loc: tuple[int, int], nbytes: int) -> None:
-        self._free[loc[0]].free(loc[1], align_up(nbytes))
+        self.pools[loc[0]].free(loc[1], nbytes)
 
     def write(self, loc: tuple[int, int], src: torch.Tensor) -> engine.Handle:
         return self.io.write(self.files[loc[0]], loc[1], src)

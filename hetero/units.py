@@ -115,49 +115,64 @@ def _map_tensors(fn: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ..
     return pytree.tree_unflatten(leaves, spec)
 
 
+# The autograd graph (which may outlive the model, e.g. through a kept loss tensor or a failed
+# backward) and the module hooks hold the state only weakly, so freeing the HeteroModule frees the
+# state and its swap files at once.
+StateRef = Callable[[], Optional["HeteroState"]]
+
+
 class _PreBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, state: "HeteroState", call: Call, *tensors: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, state: StateRef, call: Call, *tensors: torch.Tensor):  # type: ignore[override]
         ctx.state, ctx.call = state, call
         return tensors if len(tensors) > 1 else tensors[0]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.state.pre_backward(ctx.call)
+        state = ctx.state()
+        if state is not None:
+            state.pre_backward(ctx.call)
         return (None, None) + grads
 
 
 class _PostBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, state: "HeteroState", call: Call, *tensors: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, state: StateRef, call: Call, *tensors: torch.Tensor):  # type: ignore[override]
         ctx.state, ctx.call = state, call
         return tensors if len(tensors) > 1 else tensors[0]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.state.post_backward(ctx.call)
+        state = ctx.state()
+        if state is not None:
+            state.post_backward(ctx.call)
         return (None, None) + grads
 
 
-def _apply(fn: type[torch.autograd.Function], state: "HeteroState", call: Call,
+def _apply(fn: type[torch.autograd.Function], state: StateRef, call: Call,
            tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     out = fn.apply(state, call, *tensors)
     return out if isinstance(out, tuple) else (out,)
 
 
-def register_hooks(state: "HeteroState", unit: Unit) -> None:
+def register_hooks(state_ref: StateRef, unit: Unit) -> None:
     def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        state = state_ref()
+        if state is None:
+            raise RuntimeError("this module's HeteroModule was freed; its parameters are gone")
         call = state.pre_forward(unit)
         unit.calls.append(call)
         if torch.is_grad_enabled():
-            args, kwargs = _map_tensors(lambda ts: _apply(_PostBackward, state, call, ts), (args, kwargs))
+            args, kwargs = _map_tensors(lambda ts: _apply(_PostBackward, state_ref, call, ts), (args, kwargs))
         return args, kwargs
 
     def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
+        state = state_ref()
         call = unit.calls.pop()
-        state.post_forward(call)
+        if state is not None:
+            state.post_forward(call)
         if torch.is_grad_enabled():
-            output = _map_tensors(lambda ts: _apply(_PreBackward, state, call, ts), output)
+            output = _map_tensors(lambda ts: _apply(_PreBackward, state_ref, call, ts), output)
         return output
 
     unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)

@@ -24,8 +24,8 @@ from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, format_size
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .policy import make_policy
-from .runtime import Runtime
-from .tiers import DEVICE, HOST, NVME, align_up
+from .runtime import Runtime, expected_block_bytes
+from .tiers import DEVICE, slot_size_for, slots_for
 from .units import Call, Unit, default_auto_wrap_policy, register_hooks, select_units, unit_blocks, unit_params
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,12 @@ _MANAGED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 def state_of(param: torch.Tensor) -> Optional["HeteroState"]:
     ref = _MANAGED.get(param)
     return ref() if ref is not None else None
+
+
+def _call_if_alive(ref: "weakref.ref[HeteroState]", method: str, call: Call) -> None:
+    state = ref()
+    if state is not None:
+        getattr(state, method)(call)
 
 
 class HeteroState:
@@ -72,7 +78,8 @@ class HeteroState:
         if unit.backward_pins == 0:
             self.runtime.acquire(unit.param_blocks)
             call.forward_pinned = True
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_recompute(call))
+        ref = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "_end_recompute", call))
         return call
 
     def post_forward(self, call: Call) -> None:
@@ -92,7 +99,8 @@ class HeteroState:
         call.pinned = True
         call.unit.backward_pins += 1
         # Released by _PostBackward, or at the latest when this backward pass ends.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.post_backward(call))
+        ref = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "post_backward", call))
         if call.position > 0:  # the units whose backward comes next
             lo = max(0, call.position - self.cfg.prefetch)
             self._prefetch(self._order[lo:call.position][::-1])
@@ -132,6 +140,13 @@ class HeteroState:
     def end_step(self) -> None:
         self._last_order, self._order = self._order, []
         self.runtime.end_step()
+
+    def begin_forward(self) -> None:
+        """Called at the root before a forward. Nothing is pinned between passes, so pins left now
+        come from a backward that raised half-way: drop them so training can go on."""
+        if any(n for b in self.runtime.blocks() for n in b.pins.values()):
+            log.warning("hetero: dropping pins left by an interrupted backward pass")
+            self.forward_failed()
 
     def forward_failed(self) -> None:
         """Undo the pins of a forward that raised half-way, so training can go on."""
@@ -220,6 +235,9 @@ class HeteroModule(nn.Module):
         if mp is not None and mp.param_dtype is not None:  # as FSDP: cast floating inputs at the root
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
+        in_backward = torch._C._current_graph_task_id() != -1  # a checkpoint re-running the root
+        if not in_backward:
+            self._hetero_state.begin_forward()
         try:
             return self.module(*args, **kwargs)
         except BaseException:
@@ -286,6 +304,9 @@ class HeteroModule(nn.Module):
 def _check_process_group(process_group: Any) -> None:
     import torch.distributed as dist
 
+    if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise HeteroConfigError(f"process_group={process_group!r} is not accepted; expected a "
+                                "torch.distributed ProcessGroup or None")
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
@@ -326,14 +347,21 @@ def _parents(units: list[tuple[str, nn.Module]]) -> list[Optional[int]]:
     return parents
 
 
-def _state_bytes(chunks: list[Chunk], with_optimizer: bool) -> int:
-    total = 0
+def _minimum_host_budget(cfg: Config, chunks: list[Chunk]) -> int:
+    """Bytes the host tier must hold. With NVMe: an optimizer step's blocks for one chunk, all in
+    host slots at once, plus slack so a block spanning several slots still finds a contiguous run
+    among them. Without NVMe: one block (a device eviction lands there)."""
+    sizes = expected_block_bytes(chunks)
+    slot = slot_size_for(cfg.chunk_size, sizes)
+    if cfg.nvme_path is None:
+        return slots_for(max(sizes, default=0), slot) * slot
+    need = slots_for(max(sizes, default=0), slot)
     for c in chunks:
-        for b in c.blocks.values():
-            total += align_up(b.nbytes)
-        if with_optimizer and c.requires_grad:
-            total += 2 * align_up(c.full_precision.nbytes)  # exp_avg and exp_avg_sq
-    return total
+        if c.requires_grad:
+            step = [slots_for(b.nbytes, slot) for b in c.blocks.values()]
+            step += [slots_for(c.full_precision.nbytes, slot)] * 2  # exp_avg, exp_avg_sq
+            need = max(need, sum(step) + (len(step) - 1) * (max(step) - 1))
+    return need * slot
 
 
 def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]], chunks: list[Chunk]) -> None:
@@ -344,17 +372,13 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             f"largest wrapped unit (with the units enclosing it and one grad block) needs "
             f"{device_min} bytes ({format_size(device_min)}); pass device_budget>={device_min}, a "
             "smaller chunk_size, or an auto_wrap_policy with smaller units")
-    trainable = [c for c in chunks if c.requires_grad]
-    largest = max((c.blocks[PARAM].nbytes for c in chunks), default=0)
-    step_set = max((sum(align_up(b.nbytes) for b in c.blocks.values()) + 2 * align_up(c.full_precision.nbytes)
-                    for c in trainable), default=align_up(largest))
-    host_min = step_set if cfg.nvme_path is not None else align_up(largest)
+    host_min = _minimum_host_budget(cfg, chunks)
     if cfg.host_budget < host_min:
         raise HeteroConfigError(
             f"host_budget={cfg.host_budget} ({format_size(cfg.host_budget)}) is too small: the host "
             f"tier stages blocks to and from NVMe and runs the optimizer step of a chunk, which needs "
             f"{host_min} bytes ({format_size(host_min)}); pass host_budget>={host_min} or a smaller chunk_size")
-    total = _state_bytes(chunks, with_optimizer=False)
+    total = sum(b.nbytes for c in chunks for b in c.blocks.values())
     capacity = cfg.device_budget + cfg.host_budget + cfg.nvme_budget
     if total > capacity:
         raise HeteroOOMError(
@@ -393,7 +417,13 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
         params = list(m.parameters(recurse=False))
         meta = [p for p in params if p.is_meta] + [b for b in m.buffers(recurse=False) if b.is_meta]
         if meta:
-            m.to_empty(device="cpu", recurse=False)
+            # Swap storage into the existing Parameter objects (identity and ties preserved).
+            swap = torch.__future__.get_swap_module_params_on_conversion()
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                m.to_empty(device="cpu", recurse=False)
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(swap)
             if param_init_fn is not None:
                 param_init_fn(m)
             elif hasattr(m, "reset_parameters"):
@@ -484,17 +514,22 @@ def wrap(
                     "reset_parameters(); pass param_init_fn=callable(module) to initialize them")
 
     # Nothing has moved so far; from here on the runtime places the state.
-    runtime = Runtime(cfg, chunks, make_policy(cfg.policy), _state_bytes(chunks, with_optimizer=True))
+    runtime = Runtime(cfg, chunks, make_policy(cfg.policy))
+    original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
     try:
         _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device,
                      mp.buffer_dtype if mp else None)
     except BaseException:
         runtime.close()
+        for c in chunks:  # give the caller's model back as it was
+            for s in c.slots:
+                if id(s.param) in original:
+                    s.param.data = original[id(s.param)]
         raise
     state = HeteroState(cfg, module, units, chunks, runtime)
-    for unit in units:
-        register_hooks(state, unit)
     ref = weakref.ref(state)
+    for unit in units:
+        register_hooks(ref, unit)
     for c in chunks:
         for s in c.slots:
             _MANAGED[s.param] = ref

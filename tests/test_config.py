@@ -98,7 +98,7 @@ def bad_devices() -> list[Any]:
     return values
 
 
-@pytest.mark.parametrize("device", bad_devices(), ids=repr)
+@pytest.mark.parametrize("device", bad_devices(), ids=lambda v: repr(v) if isinstance(v, (str, int)) else type(v).__name__)
 def test_bad_device(device, tmp_path):
     expect_config_error("device", device, tmp_path, device=device, nvme_path=tmp_path / "swap")
 

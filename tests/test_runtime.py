@@ -9,41 +9,44 @@ from hypothesis import strategies as st
 
 import hetero
 from hetero.policy import LRU, BlockInfo
-from hetero.tiers import FreeList, Tier
+from hetero.tiers import SlotPool, Tier
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 64)), max_size=80))
-def test_freelist_never_overlaps_and_coalesces(ops) -> None:
-    size = 512
-    fl = FreeList(size)
-    live: dict[int, int] = {}
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=80))
+def test_slot_pool_never_overlaps_and_frees(ops) -> None:
+    pool = SlotPool(16, 10)  # 16 slots of 10 bytes
+    live: dict[int, tuple[int, object]] = {}
     for do_alloc, n in ops:
         if do_alloc or not live:
-            off = fl.alloc(n)
+            owner = object()
+            off = pool.alloc(n, owner)
             if off is None:
-                assert fl.largest_free < n
                 continue
-            assert 0 <= off and off + n <= size
-            for o, m in live.items():
-                assert off + n <= o or o + m <= off, "overlapping allocations"
-            live[off] = n
+            assert off % 10 == 0 and off + pool.slots_for(n) * 10 <= 160
+            for o, (m, _) in live.items():
+                assert off + pool.slots_for(n) * 10 <= o or o + pool.slots_for(m) * 10 <= off
+            live[off] = (n, owner)
         else:
             off = sorted(live)[n % len(live)]
-            fl.free(off, live.pop(off))
-    for off, n in list(live.items()):
-        fl.free(off, n)
-    assert fl.largest_free == size and fl.alloc(size) == 0
+            pool.free(off, live.pop(off)[0])
+    for off, (n, _) in list(live.items()):
+        pool.free(off, n)
+    assert pool.alloc(160, object()) == 0
 
 
-def test_freelist_rejects_double_free() -> None:
-    fl = FreeList(100)
-    off = fl.alloc(10)
-    fl.free(off, 10)
-    with pytest.raises(AssertionError):
-        fl.free(off, 10)
-
-
+def test_slot_pool_window_names_the_cheapest_evictions() -> None:
+    pool = SlotPool(6, 10)
+    a, b, c, d = (object() for _ in range(4))
+    for owner in (a, b, c, d):
+        pool.alloc(10, owner)  # slots 0..3; 4 and 5 free
+    pinned = {a}
+    # 3 contiguous slots: best window is [3, 4, 5] holding only d
+    assert pool.window(30, lambda o: o not in pinned) == [d]
+    pinned = {d}
+    assert pool.window(30, lambda o: o not in pinned) == [a, b, c]
+    pinned = {a, d}
+    assert pool.window(30, lambda o: o not in pinned) is None
 def test_tier_refuses_to_exceed_capacity() -> None:
     t = Tier("device", 100)
     t.reserve(60)

@@ -1,0 +1,260 @@
+"""Meta-device models: ``hetero.wrap`` materializes them chunk by chunk straight into their tiers,
+with each module's ``reset_parameters()`` (matching the same model built on the CPU with the same
+seed) or with ``param_init_fn=`` as in FSDP, and ties between parameters survive."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+import hetero
+from models import GPT, batches, state_bytes
+
+KW = dict(vocab=64, d=32, n_layer=2)
+
+
+def cpu_model(seed: int, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(**{**KW, **kw})
+
+
+def meta_model(**kw) -> GPT:
+    with torch.device("meta"):
+        model = GPT(**{**KW, **kw})
+    assert all(p.is_meta for p in model.parameters())
+    return model
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].device.type == "cpu", k
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(got[k], want[k]), f"{k} differs"
+
+
+def assert_materialized(wrapped: hetero.HeteroModule, meta: GPT) -> None:
+    assert wrapped.module is meta
+    assert meta.lm_head.weight is meta.wte.weight, "the tie between lm_head and wte was lost"
+    names = [n for n, _ in wrapped.named_parameters()]
+    assert names == [n for n, _ in meta.named_parameters()]
+    assert "lm_head.weight" not in names  # deduplicated, as the CPU model's
+    with wrapped.summon_full_params(writeback=False):
+        for n, p in meta.named_parameters():
+            assert not p.is_meta, n
+            assert torch.isfinite(p).all(), n
+
+
+def train(model: hetero.HeteroModule, steps: int = 1) -> list[float]:
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches(steps):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# ------------------------------------------------------------------------------ reset_parameters
+
+
+@pytest.mark.parametrize("seed", [0, 123])
+def test_meta_equals_cpu_model(seed):
+    ref = cpu_model(seed)
+    meta = meta_model()
+    torch.manual_seed(seed)
+    wrapped = hetero.wrap(meta, device="cpu")
+    assert_materialized(wrapped, meta)
+    assert_same_state(wrapped.state_dict(), ref.state_dict())
+
+
+#: A 4-layer GPT has ~210 KB of parameters; these budgets hold less than that together (so some
+#: chunks must go to NVMe while materializing) but more than each tier's minimum.
+SPREAD = dict(device_budget=90_000, host_budget=110_000, chunk_size="4KiB")
+
+
+def assert_spread(wrapped: hetero.HeteroModule) -> None:
+    rep = wrapped.placement_report().as_dict()
+    tiers = {b["tier"] for b in rep["blocks"] if b["kind"] == "param"}
+    assert tiers == {"device", "host", "nvme"}, f"param blocks only on {tiers}"
+    for name, tier in rep["tiers"].items():
+        assert tier["peak"] <= tier["capacity"], name
+
+
+def test_meta_equals_cpu_model_spread_over_tiers(tmp_path):
+    """Same, with budgets that put chunks on device, host and NVMe while materializing."""
+    ref = cpu_model(5, n_layer=4)
+    meta = meta_model(n_layer=4)
+    torch.manual_seed(5)
+    wrapped = hetero.wrap(meta, device="cpu", nvme_path=str(tmp_path), **SPREAD)
+    assert_spread(wrapped)
+    assert_materialized(wrapped, meta)
+    assert_same_state(wrapped.state_dict(), ref.state_dict())
+
+
+def test_meta_model_trains_like_cpu_model(tmp_path):
+    ref = cpu_model(1)
+    total = state_bytes(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for x, y in batches(3):
+        loss = ref(x, y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    meta = meta_model()
+    torch.manual_seed(1)
+    wrapped = hetero.wrap(meta, device="cpu", device_budget=int(total * 0.25), host_budget=int(total * 0.35),
+                          nvme_path=str(tmp_path), chunk_size="8KiB")
+    assert train(wrapped, 3) == pytest.approx(ref_losses, rel=1e-5)
+    got, want = wrapped.state_dict(), ref.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_meta_model_loads_cpu_state_dict():
+    ref = cpu_model(3)
+    wrapped = hetero.wrap(meta_model(), device="cpu")
+    wrapped.load_state_dict(ref.state_dict())
+    assert_same_state(wrapped.state_dict(), ref.state_dict())
+
+
+# ------------------------------------------------------------------------------ param_init_fn
+
+
+def seeded_init_fn(names: dict[int, str], calls: list[str]):
+    """An FSDP-style param_init_fn: materializes the module if needed, then draws each parameter
+    from a generator seeded by the module's name, so the result does not depend on call order."""
+
+    def init(module: nn.Module) -> None:
+        name = names[id(module)]
+        calls.append(name)
+        if any(t.is_meta for t in module.parameters(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        with torch.no_grad():
+            for pname, p in module.named_parameters(recurse=False):
+                p.normal_(mean=float(len(pname)), std=1.0, generator=gen)
+
+    return init
+
+
+def expected_with_init_fn(model: GPT) -> dict[str, torch.Tensor]:
+    """What seeded_init_fn gives: applied to every module owning parameters, except lm_head, whose
+    weight is wte's (already initialized with wte)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    init = seeded_init_fn(names, [])
+    for name, m in model.named_modules():
+        if name != "lm_head" and any(True for _ in m.parameters(recurse=False)):
+            init(m)
+    return model.state_dict()
+
+
+def test_param_init_fn_values_land_on_every_tier(tmp_path):
+    want = expected_with_init_fn(cpu_model(0, n_layer=4))
+    meta = meta_model(n_layer=4)
+    names = {id(m): n for n, m in meta.named_modules()}
+    calls: list[str] = []
+    wrapped = hetero.wrap(meta, device="cpu", nvme_path=str(tmp_path), param_init_fn=seeded_init_fn(names, calls),
+                          **SPREAD)
+    owners = {n for n, m in meta.named_modules() if n != "lm_head" and any(True for _ in m.parameters(recurse=False))}
+    assert owners <= set(calls), f"param_init_fn was not called on {owners - set(calls)}"
+    assert len(calls) == len(set(calls)), "param_init_fn called twice on a module"
+    assert_spread(wrapped)
+    assert_materialized(wrapped, meta)
+    assert_same_state(wrapped.state_dict(), want)
+    losses = train(wrapped, 2)
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_param_init_fn_constant():
+    meta = meta_model()
+    index = {id(m): i for i, m in enumerate(meta.modules())}
+
+    def fill(module: nn.Module) -> None:
+        if any(t.is_meta for t in module.parameters(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                p.fill_(float(index[id(module)]))
+
+    wrapped = hetero.wrap(meta, device="cpu", chunk_size="4KiB", param_init_fn=fill)
+    sd = wrapped.state_dict()
+    for name, m in meta.named_modules():
+        for pname, _ in m.named_parameters(recurse=False):
+            key = f"{name}.{pname}"
+            want = float(index[id(meta.wte)]) if key == "lm_head.weight" else float(index[id(m)])
+            assert torch.all(sd[key] == want), key
+
+
+def test_param_init_fn_not_called_for_cpu_model():
+    calls = []
+    ref = cpu_model(0)
+    model = cpu_model(0)
+    wrapped = hetero.wrap(model, device="cpu", param_init_fn=calls.append)
+    assert calls == []
+    assert_same_state(wrapped.state_dict(), ref.state_dict())
+
+
+class NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def test_meta_module_without_reset_parameters_needs_param_init_fn(tmp_path):
+    with torch.device("meta"):
+        model = nn.Sequential(NoReset(), NoReset())
+    with pytest.raises(hetero.HeteroConfigError, match="param_init_fn"):
+        hetero.wrap(model, device="cpu", nvme_path=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    assert all(p.is_meta for p in model.parameters())
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, NoReset):
+            m.to_empty(device="cpu", recurse=False)
+            with torch.no_grad():
+                m.w.copy_(torch.eye(8))
+
+    wrapped = hetero.wrap(model, device="cpu", param_init_fn=init)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(wrapped(x), x)
+
+
+# ------------------------------------------------------------------------------ larger than RAM
+
+
+def test_meta_model_larger_than_device_and_host_streams_to_nvme(tmp_path):
+    """Device and host budgets together are below the model's parameter bytes: materializing must
+    stream chunks into NVMe, never holding the whole model, and the result matches the CPU model."""
+    kw = dict(n_layer=6)
+    ref = cpu_model(7, **kw)
+    param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    device_budget, host_budget = 100_000, 100_000
+    assert device_budget + host_budget < param_bytes
+    meta = meta_model(**kw)
+    torch.manual_seed(7)
+    wrapped = hetero.wrap(meta, device="cpu", device_budget=device_budget, host_budget=host_budget,
+                          nvme_path=str(tmp_path), chunk_size="8KiB")
+    rep = wrapped.placement_report().as_dict()
+    assert rep["tiers"]["nvme"]["used"] > 0
+    assert rep["traffic"]["host->nvme"] > 0
+    assert rep["tiers"]["device"]["peak"] <= device_budget
+    assert rep["tiers"]["host"]["peak"] <= host_budget
+    on_nvme = sum(b["bytes"] for b in rep["blocks"] if b["kind"] == "param" and b["tier"] == "nvme")
+    assert on_nvme >= param_bytes - device_budget - host_budget
+    assert_same_state(wrapped.state_dict(), ref.state_dict())
+    losses = train(wrapped, 2)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    rep = wrapped.placement_report().as_dict()
+    assert rep["tiers"]["device"]["peak"] <= device_budget
+    assert rep["tiers"]["host"]["peak"] <= host_budget
