@@ -207,17 +207,7 @@ class Runtime:
             self._fetch(block, HOST, set(), stall)
         src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
         start = self.tracker.now()
-        self._in_flight.add(block)
-        try:
-            self._alloc(block, tier, protect)
-            try:
-                self._copy(block, src, tier)
-            except BaseException:
-                self._free(block, tier, present=False)
-                raise
-        finally:
-            self._in_flight.discard(block)
-        block.tiers.add(tier)
+        self._replicate(block, src, tier, protect)
         if tier == DEVICE and block.kind == PARAM:
             block.chunk.attach_params()
         if stall:
@@ -280,19 +270,22 @@ class Runtime:
         """Remove ``block``'s copy from ``tier``, first writing it one tier down if it is the
         only copy (making room there recursively)."""
         if block.tiers == {tier}:
-            lower = TIER_ORDER[TIER_ORDER.index(tier) + 1]
-            self._in_flight.add(block)
-            try:
-                self._alloc(block, lower, set())
-                try:
-                    self._copy(block, tier, lower)
-                except BaseException:
-                    self._free(block, lower, present=False)
-                    raise
-            finally:
-                self._in_flight.discard(block)
-            block.tiers.add(lower)
+            self._replicate(block, tier, TIER_ORDER[TIER_ORDER.index(tier) + 1], set())
         self._free(block, tier)
+
+    def _replicate(self, block: Block, src: str, dst: str, protect: set[Block]) -> None:
+        """Give ``block`` a copy on ``dst`` made from ``src``; on failure nothing has changed."""
+        self._in_flight.add(block)
+        try:
+            self._alloc(block, dst, protect)
+            try:
+                self._copy(block, src, dst)
+            except BaseException:
+                self._free(block, dst, present=False)
+                raise
+        finally:
+            self._in_flight.discard(block)
+        block.tiers.add(dst)
 
     def _free(self, block: Block, tier: str, present: bool = True) -> None:
         if tier == DEVICE:

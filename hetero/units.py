@@ -7,12 +7,12 @@ Around each call of a unit:
 
 * forward pre-hook: acquire its param blocks on the device (pinned), prefetch the next units;
 * forward post-hook: release them;
-* the outputs pass through ``_PreBackward`` whose backward acquires the blocks again before the
-  unit's backward runs (activation checkpointing re-runs the forward in between, which simply
-  acquires and releases once more);
-* the inputs pass through ``_PostBackward`` whose backward releases them once the unit's backward
-  has produced input gradients; a callback at the end of the backward pass releases any call whose
-  inputs needed no gradient (the first unit, typically).
+* the outputs pass through a ``_BackwardHook`` whose backward acquires the blocks again before
+  the unit's backward runs (activation checkpointing re-runs the forward in between, which simply
+  acquires once more, or relies on that backward pin);
+* the inputs pass through one whose backward releases them once the unit's backward has produced
+  input gradients; a callback at the end of the backward pass releases any call whose inputs
+  needed no gradient (the first unit, typically).
 
 Pins nest, so a unit called twice, a tied parameter used by two units, or a unit inside another's
 forward all stay correct.
@@ -121,38 +121,31 @@ def _map_tensors(fn: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ..
 StateRef = Callable[[], Optional["HeteroState"]]
 
 
-class _PreBackward(torch.autograd.Function):
+class _BackwardHook(torch.autograd.Function):
+    """Identity in forward; in backward calls ``state.<method>(call)`` once the gradients of all
+    the tensors it was applied to are ready (on outputs: before the unit's backward; on inputs:
+    after it)."""
+
     @staticmethod
-    def forward(ctx, state: StateRef, call: Call, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.state, ctx.call = state, call
+    def forward(ctx, state: StateRef, method: str, call: Call, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.state, ctx.method, ctx.call = state, method, call
         return tensors if len(tensors) > 1 else tensors[0]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         state = ctx.state()
         if state is not None:
-            state.pre_backward(ctx.call)
-        return (None, None) + grads
+            getattr(state, ctx.method)(ctx.call)
+        return (None, None, None) + grads
 
 
-class _PostBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, state: StateRef, call: Call, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.state, ctx.call = state, call
-        return tensors if len(tensors) > 1 else tensors[0]
+def _hook_backward(state: StateRef, method: str, call: Call, tree: Any) -> Any:
+    """``tree`` with its grad-requiring tensors routed through one :class:`_BackwardHook`."""
+    def apply(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        out = _BackwardHook.apply(state, method, call, *tensors)
+        return out if isinstance(out, tuple) else (out,)
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        state = ctx.state()
-        if state is not None:
-            state.post_backward(ctx.call)
-        return (None, None) + grads
-
-
-def _apply(fn: type[torch.autograd.Function], state: StateRef, call: Call,
-           tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    out = fn.apply(state, call, *tensors)
-    return out if isinstance(out, tuple) else (out,)
+    return _map_tensors(apply, tree)
 
 
 def register_hooks(state_ref: StateRef, unit: Unit) -> None:
@@ -163,7 +156,7 @@ def register_hooks(state_ref: StateRef, unit: Unit) -> None:
         call = state.pre_forward(unit)
         unit.calls.append(call)
         if torch.is_grad_enabled():
-            args, kwargs = _map_tensors(lambda ts: _apply(_PostBackward, state_ref, call, ts), (args, kwargs))
+            args, kwargs = _hook_backward(state_ref, "post_backward", call, (args, kwargs))
         return args, kwargs
 
     def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
@@ -172,7 +165,7 @@ def register_hooks(state_ref: StateRef, unit: Unit) -> None:
         if state is not None:
             state.post_forward(call)
         if torch.is_grad_enabled():
-            output = _map_tensors(lambda ts: _apply(_PreBackward, state_ref, call, ts), output)
+            output = _hook_backward(state_ref, "pre_backward", call, output)
         return output
 
     unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
