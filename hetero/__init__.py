@@ -6,7 +6,7 @@ Public names only; see shared/API.md for the contract.
 from . import optim
 from .config import MixedPrecision
 from .errors import HeteroConfigError, HeteroError, HeteroIOError, HeteroOOMError, HeteroStateError
-from .policy import Policy
+from .policies import Policy
 from .profiler import Report
 from .wrap import HeteroModule, wrap
 

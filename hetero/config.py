@@ -145,7 +145,7 @@ def _default_device_budget(device: torch.device) -> int:
 
 
 def _parse_policy(policy: Any) -> Any:
-    from .policy import Policy  # local import: policy imports nothing from config at module load
+    from .policies import Policy  # local import: keeps config importable on its own
 
     if isinstance(policy, Policy):
         return policy

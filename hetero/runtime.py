@@ -5,25 +5,28 @@ until :meth:`Runtime.release`); everything else happens here. Invariants kept at
 
 * each tier's ``used`` never exceeds its budget (``Tier.reserve`` asserts it);
 * every copy listed in ``block.tiers`` is valid; a write drops all other copies first;
-* a pinned copy is never evicted.
+* a pinned copy, or one being copied, is never evicted.
 
-Copies between tiers are synchronous for now; the accesses, moves and stalls are recorded in a
-:class:`~hetero.tracker.Tracker` for the report.
+Decisions (what to evict, where a block starts, what to prefetch) come from a pure
+:class:`~hetero.policies.Policy`; bytes are moved by a storage object (:class:`TierStorage` for
+real, :class:`~hetero.simulator.SimStorage` in the simulator), so a policy measured in simulation
+is the policy that runs. Every call is recorded in the tracker's event log, which the simulator
+replays. Copies are synchronous for now.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from .chunks import EXP_AVG, PARAM, Block, Chunk
+from .chunks import EXP_AVG, Block, Chunk
 from .config import Config, format_size
 from .errors import HeteroOOMError
-from .policy import BlockInfo, Policy
-from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, slot_size_for,
-                    slots_for)
+from .policies import BlockInfo, Policy
+from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, TierStorage,
+                    slot_size_for, slots_for)
 from .tracker import Tracker
 
 log = logging.getLogger(__name__)
@@ -40,42 +43,50 @@ def expected_block_bytes(chunks: Sequence[Chunk]) -> list[int]:
 
 
 class Runtime:
-    def __init__(self, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> None:
-        self.device = cfg.device
-        self.chunks = list(chunks)
+    def __init__(self, capacities: dict[str, int], slot_size: int, policy: Policy, storage: Any,
+                 prefetch: int = 0) -> None:
+        self.tiers = {name: Tier(name, cap) for name, cap in capacities.items()}
+        self.slot_size = slot_size
         self.policy = policy
+        self.storage = storage
+        self.prefetch_depth = prefetch
         self.tracker = Tracker()
-        self.tiers: dict[str, Tier] = {DEVICE: Tier(DEVICE, cfg.device_budget),
-                                       HOST: Tier(HOST, cfg.host_budget)}
-        sizes = expected_block_bytes(chunks)
-        self.slot_size = slot_size_for(cfg.chunk_size, sizes)
-        # The arena holds what the host budget allows, and no more than the whole state.
-        needed = sum(slots_for(n, self.slot_size) for n in sizes)
-        self.arena = HostArena(min(cfg.host_budget // self.slot_size, needed), self.slot_size,
-                               pin=cfg.device.type == "cuda")
-        self.swap: Optional[SwapSpace] = None
+        self._blocks: dict[str, Block] = {}
         self._in_flight: set[Block] = set()  # blocks whose copy is being made: never victims
+
+    @classmethod
+    def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
+        """The runtime of a wrapped model: real device buffers, a host arena, swap files."""
+        sizes = expected_block_bytes(chunks)
+        slot = slot_size_for(cfg.chunk_size, sizes)
+        needed = sum(slots_for(n, slot) for n in sizes)  # the arena never exceeds the whole state
+        arena = HostArena(min(cfg.host_budget // slot, needed), slot, pin=cfg.device.type == "cuda")
+        capacities = {DEVICE: cfg.device_budget, HOST: cfg.host_budget}
+        swap = None
         if cfg.nvme_path is not None:
-            self.tiers[NVME] = Tier(NVME, cfg.nvme_budget)
-            self.swap = SwapSpace(cfg.nvme_path, cfg.nvme_budget, self.slot_size, max(sizes, default=0))
+            capacities[NVME] = cfg.nvme_budget
+            swap = SwapSpace(cfg.nvme_path, cfg.nvme_budget, slot, max(sizes, default=0))
+        return cls(capacities, slot, policy, TierStorage(cfg.device, arena, swap), cfg.prefetch)
 
     # ------------------------------------------------------------------ queries
 
     def blocks(self) -> Iterable[Block]:
-        for c in self.chunks:
-            yield from c.blocks.values()
+        return self._blocks.values()
 
     def top(self, block: Block) -> str:
         """The fastest tier holding a valid copy of ``block``."""
         return min(block.tiers, key=TIER_ORDER.index)
 
+    def working_tier(self, block: Block) -> str:
+        """Where compute that reads ``block`` in place should run: its fastest copy, or host for a
+        block that is only on NVMe."""
+        top = self.top(block)
+        return HOST if top == NVME else top
+
     def data(self, block: Block, tier: str) -> torch.Tensor:
         """The flat, typed tensor of ``block`` on ``tier`` (which must hold a copy)."""
         assert tier in block.tiers, f"{block} has no copy on {tier}"
-        if tier == DEVICE:
-            return block.device
-        assert tier == HOST, "NVMe copies are not addressable; acquire the block on host first"
-        return self.arena.view(block.host_offset, block.nbytes)[:block.nbytes].view(block.dtype)
+        return self.storage.data(block, tier)
 
     def free_bytes(self) -> dict[str, int]:
         return {name: t.free for name, t in self.tiers.items()}
@@ -83,75 +94,61 @@ class Runtime:
     # ------------------------------------------------------------------ public operations
 
     def create(self, block: Block, init: Optional[torch.Tensor] = None) -> None:
-        """Give a new block its first home (chosen by the policy) and fill it from ``init``.
-
-        ``init`` is a flat tensor of the block's dtype on any device; ``None`` zero-fills.
-        """
+        """Give a new block its first home (chosen by the policy) and fill it from ``init``
+        (a flat tensor of the block's dtype on any device; ``None`` zero-fills)."""
         assert not block.tiers, f"{block} already exists"
-        tier = self.policy.home(self._info(block), self.free_bytes())
+        self._blocks[block.id] = block
+        self.tracker.event("create", block.id, block.kind, block.nbytes)
+        tier = self.policy.home(self._info(block), self.free_bytes(),
+                                {n: t.capacity for n, t in self.tiers.items()})
         first = HOST if tier == NVME else tier  # NVMe is written from a host slot
-        self._alloc(block, first, protect={block})
+        self._in_flight.add(block)
+        try:
+            self._alloc(block, first, set())
+        finally:
+            self._in_flight.discard(block)
         block.tiers.add(first)
-        with torch.no_grad():
-            dst = self.data(block, first)
-            if init is None:
-                dst.zero_()
-            else:
-                dst.copy_(init.reshape(-1))
-        if block.kind == PARAM:
-            if first == DEVICE:
-                block.chunk.attach_params()
-            else:
-                block.chunk.detach_params()
+        self.storage.fill(block, first, init)
+        self.storage.on_device(block, first == DEVICE)
         if tier == NVME:
             self._evict(block, HOST)
 
     def acquire(self, blocks: Sequence[Block], tier: str = DEVICE, write: bool = False,
                 record: bool = True) -> None:
-        """Pin valid copies of ``blocks`` on ``tier``, fetching and evicting as needed.
+        """Pin valid copies of ``blocks`` on ``tier``, creating (zero-filled), fetching and
+        evicting as needed, then prefetch what the policy expects next.
 
         Records one access per block (``record=False`` for reads that are not compute, such as
-        ``state_dict``). With ``write`` every other copy is dropped, because the
-        caller is about to change the data. Raises HeteroOOMError when the tier cannot hold them.
+        ``state_dict``). With ``write`` every other copy is dropped, because the caller is about
+        to change the data. Raises HeteroOOMError when the tier cannot hold them.
         """
+        for block in blocks:
+            if not block.tiers:
+                self.create(block)
+        self.tracker.event("acquire", tuple(b.id for b in blocks), tier, write, record)
         protect = set(blocks)
+        group = self.tracker.groups
+        self.tracker.groups += 1
         for block in blocks:
             self._fetch(block, tier, protect)
             block.pins[tier] = block.pins.get(tier, 0) + 1
-            if record:
-                seq = self.tracker.access(block.id, block.nbytes, tier)
-                self.policy.record(block.id, self.tracker.step, seq)
             if write:
                 for other in list(block.tiers - {tier}):
                     assert not block.pins.get(other), f"{block} is written on {tier} while pinned on {other}"
                     self._free(block, other)
+        if record:
+            seq = len(self.tracker.accesses)
+            for block in blocks:
+                self.tracker.access(block.id, block.nbytes, tier, group, write)
+            self.policy.observe([b.id for b in blocks], tier, self.tracker.step, seq)
+            self._prefetch()
 
     def release(self, blocks: Sequence[Block], tier: str = DEVICE) -> None:
+        self.tracker.event("release", tuple(b.id for b in blocks), tier)
         for block in blocks:
             n = block.pins.get(tier, 0)
             assert n > 0, f"{block} released on {tier} without being acquired"
             block.pins[tier] = n - 1
-
-    def prefetch(self, blocks: Sequence[Block]) -> int:
-        """Bring ``blocks`` to the device where that needs no eviction; returns bytes fetched.
-
-        A prefetch never evicts, so it can never push out something needed sooner.
-        """
-        fetched = 0
-        for block in blocks:
-            if DEVICE in block.tiers or HOST not in block.tiers:
-                continue  # already there, or on NVMe only (staging it would need host room)
-            if self.tiers[DEVICE].free < block.nbytes:
-                break
-            self._fetch(block, DEVICE, protect={block}, stall=False)
-            fetched += block.nbytes
-        return fetched
-
-    def working_tier(self, block: Block) -> str:
-        """Where compute that reads ``block`` in place should run: its fastest copy, or host for a
-        block that is only on NVMe."""
-        top = self.top(block)
-        return HOST if top == NVME else top
 
     def read(self, block: Block) -> torch.Tensor:
         """A CPU copy of ``block``'s data, wherever it lives (not recorded as a compute access)."""
@@ -177,15 +174,70 @@ class Runtime:
 
     def unpin_all(self) -> None:
         """Forget every pin (after an exception abandoned a forward or backward half-way)."""
+        self.tracker.event("unpin_all")
         for block in self.blocks():
             block.pins.clear()
 
     def end_step(self) -> None:
+        self.tracker.event("end_step")
+        self.policy.end_step(self.tracker.step)
         self.tracker.step += 1
 
     def close(self) -> None:
-        if self.swap is not None:
-            self.swap.close()
+        self.storage.close()
+
+    # ------------------------------------------------------------------ prefetch
+
+    def _prefetch(self) -> None:
+        """Bring what the policy expects next towards the device, in next-use order: the next
+        ``prefetch`` acquires onto the device, the ones after them from NVMe into host memory.
+        A prefetch only evicts blocks the policy expects later than the block it brings."""
+        if self.prefetch_depth <= 0:
+            return
+        ahead = self.policy.upcoming(2 * self.prefetch_depth)
+        near = self.policy.upcoming(self.prefetch_depth)
+        for i, (block_id, tier) in enumerate(ahead):
+            block = self._blocks.get(block_id)
+            if block is None or tier != DEVICE or DEVICE in block.tiers or any(block.pins.values()):
+                continue  # absent, not for the device, already there, or in use (maybe being written)
+            target = DEVICE if i < len(near) else HOST
+            if target == HOST and HOST in block.tiers:
+                continue
+            horizon = self.policy.next_use(block_id, DEVICE)
+            if not self._prefetch_one(block, target, horizon):
+                break
+
+    def _prefetch_one(self, block: Block, target: str, horizon: float) -> bool:
+        steps = ([HOST] if HOST not in block.tiers else []) + ([DEVICE] if target == DEVICE else [])
+        for tier in steps:
+            self._in_flight.add(block)  # its staged host copy must survive making device room
+            try:
+                if not self._make_room(block, tier, horizon):
+                    return False
+            finally:
+                self._in_flight.discard(block)
+            src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
+            start = self.tracker.now()
+            self._replicate(block, src, tier, set(), prefetch=True)
+            if tier == DEVICE:
+                self.storage.on_device(block, True)
+                self.tracker.prefetched.add(block.id)
+            # Copies are synchronous for now, so compute waits for a prefetch too.
+            self.tracker.stall(start, self.tracker.now(), block.id)
+        self.tracker.prefetch_issued += 1
+        return True
+
+    def _make_room(self, block: Block, tier: str, horizon: float) -> bool:
+        """Free room for ``block`` on ``tier`` by evicting only blocks needed after ``horizon``."""
+        t = self.tiers[tier]
+        need = self._size_on(tier, block)
+        while t.free < need:
+            victims = [self._info(b) for b in self.blocks() if self._evictable(b, tier, {block})
+                       and self.policy.next_use(b.id, tier) > horizon]
+            if not victims:
+                return False
+            self._evict(self._blocks[self.policy.victim(tier, victims).id], tier)
+        return True
 
     # ------------------------------------------------------------------ internals
 
@@ -196,22 +248,20 @@ class Runtime:
         """Bytes ``block`` takes from ``tier``'s budget: whole slots below the device."""
         return block.nbytes if tier == DEVICE else slots_for(block.nbytes, self.slot_size) * self.slot_size
 
-    def _fetch(self, block: Block, tier: str, protect: set[Block], stall: bool = True) -> None:
+    def _fetch(self, block: Block, tier: str, protect: set[Block]) -> None:
         """Make a valid copy of ``block`` on ``tier`` (host or device). ``protect`` are the other
         blocks of the same acquire: they are not evicted from ``tier`` to make room."""
         if tier in block.tiers:
             return
-        assert block.tiers, f"{block} was never created"
         assert tier != NVME, "blocks reach NVMe only by eviction"
         if tier == DEVICE and HOST not in block.tiers:  # NVMe -> device goes through host
-            self._fetch(block, HOST, set(), stall)
+            self._fetch(block, HOST, set())
         src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
         start = self.tracker.now()
         self._replicate(block, src, tier, protect)
-        if tier == DEVICE and block.kind == PARAM:
-            block.chunk.attach_params()
-        if stall:
-            self.tracker.stall(start, self.tracker.now(), block.id)
+        if tier == DEVICE:
+            self.storage.on_device(block, True)
+        self.tracker.stall(start, self.tracker.now(), block.id)
 
     def _evictable(self, b: Block, tier: str, protect: set[Block]) -> bool:
         if tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._in_flight:
@@ -229,7 +279,7 @@ class Runtime:
         if need > t.capacity:
             raise HeteroOOMError(self._oom_message(block, tier, "the block is larger than the budget"))
         while True:
-            if t.free >= need and self._place(block, tier):
+            if t.free >= need and self.storage.place(block, tier):
                 t.reserve(need)
                 self.tracker.used(tier, t.used)
                 return
@@ -237,34 +287,15 @@ class Runtime:
                 victims = [self._info(b) for b in self.blocks() if self._evictable(b, tier, protect)]
                 if not victims:
                     raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
-                self._evict(self._by_id(self.policy.victim(tier, victims).id), tier)
+                self._evict(self._blocks[self.policy.victim(tier, victims).id], tier)
                 continue
-            window = self._window(block, tier, protect)
-            if window is None:
+            windows = [w for w in (p.window(block.nbytes, lambda b: self._evictable(b, tier, protect))
+                                   for p in self.storage.pools(tier)) if w is not None]
+            if not windows:
                 raise HeteroOOMError(self._oom_message(
                     block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))
-            for victim in window:
+            for victim in min(windows, key=len):
                 self._evict(victim, tier)
-
-    def _window(self, block: Block, tier: str, protect: set[Block]) -> Optional[list[Block]]:
-        pools = [self.arena.pool] if tier == HOST else self.swap.pools
-        windows = [w for w in (p.window(block.nbytes, lambda b: self._evictable(b, tier, protect))
-                               for p in pools) if w is not None]
-        return min(windows, key=len, default=None)
-
-    def _place(self, block: Block, tier: str) -> bool:
-        """Carve storage for ``block`` on ``tier``; False when no contiguous run of slots is free."""
-        if tier == DEVICE:
-            if block.device is None:
-                block.device = torch.empty(block.numel, dtype=block.dtype, device=self.device)
-            else:
-                block.device.untyped_storage().resize_(block.nbytes)
-            return True
-        if tier == HOST:
-            block.host_offset = self.arena.pool.alloc(block.nbytes, block)
-            return block.host_offset is not None
-        block.nvme_loc = self.swap.alloc(block.nbytes, block)
-        return block.nvme_loc is not None
 
     def _evict(self, block: Block, tier: str) -> None:
         """Remove ``block``'s copy from ``tier``, first writing it one tier down if it is the
@@ -273,57 +304,31 @@ class Runtime:
             self._replicate(block, tier, TIER_ORDER[TIER_ORDER.index(tier) + 1], set())
         self._free(block, tier)
 
-    def _replicate(self, block: Block, src: str, dst: str, protect: set[Block]) -> None:
+    def _replicate(self, block: Block, src: str, dst: str, protect: set[Block],
+                   prefetch: bool = False) -> None:
         """Give ``block`` a copy on ``dst`` made from ``src``; on failure nothing has changed."""
         self._in_flight.add(block)
         try:
             self._alloc(block, dst, protect)
+            start = self.tracker.now()
             try:
-                self._copy(block, src, dst)
+                self.storage.copy(block, src, dst)
             except BaseException:
                 self._free(block, dst, present=False)
                 raise
+            self.tracker.move(block.id, src, dst, block.nbytes, start, self.tracker.now(), prefetch)
         finally:
             self._in_flight.discard(block)
         block.tiers.add(dst)
 
     def _free(self, block: Block, tier: str, present: bool = True) -> None:
-        if tier == DEVICE:
-            if block.kind == PARAM and present:
-                block.chunk.detach_params()
-            block.device.untyped_storage().resize_(0)
-        elif tier == HOST:
-            self.arena.pool.free(block.host_offset, block.nbytes)
-            block.host_offset = None
-        else:
-            self.swap.free(block.nvme_loc, block.nbytes)
-            block.nvme_loc = None
+        if tier == DEVICE and present:
+            self.storage.on_device(block, False)
+        self.storage.free(block, tier)
         block.tiers.discard(tier)
         t = self.tiers[tier]
         t.release(self._size_on(tier, block))
         self.tracker.used(tier, t.used)
-
-    def _copy(self, block: Block, src: str, dst: str) -> None:
-        start = self.tracker.now()
-        with torch.no_grad():
-            if NVME in (src, dst):
-                slot = self.arena.view(block.host_offset, block.nbytes)
-                if dst == NVME:
-                    self.swap.write(block.nvme_loc, slot).wait()
-                else:
-                    self.swap.read(block.nvme_loc, slot).wait()
-            else:
-                self._tensor(block, dst).copy_(self._tensor(block, src))
-        self.tracker.move(block.id, src, dst, block.nbytes, start, self.tracker.now())
-
-    def _tensor(self, block: Block, tier: str) -> torch.Tensor:
-        if tier == DEVICE:
-            return block.device
-        return self.arena.view(block.host_offset, block.nbytes)[:block.nbytes].view(block.dtype)
-
-    def _by_id(self, block_id: str) -> Block:
-        chunk_index, kind = block_id[1:].split(".", 1)
-        return self.chunks[int(chunk_index)].blocks[kind]
 
     def _oom_message(self, block: Block, tier: str, why: str) -> str:
         tiers = ", ".join(f"{n}: {format_size(t.used)} used of {format_size(t.capacity)} "

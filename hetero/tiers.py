@@ -210,3 +210,83 @@ class SwapSpace:
             self.io.shutdown()
             self._finalizer()
             atexit.unregister(self._finalizer)
+
+
+class TierStorage:
+    """The real bytes behind the runtime's decisions: device buffers, host slots, swap files.
+
+    Each block's device copy is a flat tensor whose storage is allocated and freed in place (so
+    parameter views and the views autograd saved stay valid); its host copy is a run of arena
+    slots; its NVMe copy a run of swap-file slots. The runtime calls ``place`` / ``free`` /
+    ``copy`` / ``fill``; the simulator uses a look-alike without memory.
+    """
+
+    def __init__(self, device: torch.device, arena: HostArena, swap: Optional[SwapSpace]) -> None:
+        self.device = device
+        self.arena = arena
+        self.swap = swap
+
+    def place(self, block, tier: str) -> bool:
+        """Carve storage for ``block`` on ``tier``; False when no run of slots is free."""
+        if tier == DEVICE:
+            if block.device is None:
+                block.device = torch.empty(block.numel, dtype=block.dtype, device=self.device)
+            else:
+                block.device.untyped_storage().resize_(block.nbytes)
+            return True
+        if tier == HOST:
+            block.host_offset = self.arena.pool.alloc(block.nbytes, block)
+            return block.host_offset is not None
+        block.nvme_loc = self.swap.alloc(block.nbytes, block)
+        return block.nvme_loc is not None
+
+    def free(self, block, tier: str) -> None:
+        if tier == DEVICE:
+            block.device.untyped_storage().resize_(0)
+        elif tier == HOST:
+            self.arena.pool.free(block.host_offset, block.nbytes)
+            block.host_offset = None
+        else:
+            self.swap.free(block.nvme_loc, block.nbytes)
+            block.nvme_loc = None
+
+    def pools(self, tier: str) -> list[SlotPool]:
+        return [self.arena.pool] if tier == HOST else list(self.swap.pools)
+
+    def data(self, block, tier: str) -> torch.Tensor:
+        """The flat, typed tensor of ``block`` on ``tier`` (device or host)."""
+        if tier == DEVICE:
+            return block.device
+        assert tier == HOST, "NVMe copies are not addressable; acquire the block on host first"
+        return self.arena.view(block.host_offset, block.nbytes)[:block.nbytes].view(block.dtype)
+
+    def copy(self, block, src: str, dst: str) -> None:
+        with torch.no_grad():
+            if NVME in (src, dst):
+                slot = self.arena.view(block.host_offset, block.nbytes)
+                if dst == NVME:
+                    self.swap.write(block.nvme_loc, slot).wait()
+                else:
+                    self.swap.read(block.nvme_loc, slot).wait()
+            else:
+                self.data(block, dst).copy_(self.data(block, src))
+
+    def fill(self, block, tier: str, init: Optional[torch.Tensor]) -> None:
+        with torch.no_grad():
+            dst = self.data(block, tier)
+            if init is None:
+                dst.zero_()
+            else:
+                dst.copy_(init.reshape(-1))
+
+    def on_device(self, block, resident: bool) -> None:
+        """A param block's device copy appeared or is about to go: repoint its parameters."""
+        if block.kind == "param":
+            if resident:
+                block.chunk.attach_params()
+            else:
+                block.chunk.detach_params()
+
+    def close(self) -> None:
+        if self.swap is not None:
+            self.swap.close()

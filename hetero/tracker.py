@@ -1,24 +1,30 @@
-"""What happened, in order: every access compute made to a block, every move between tiers, and
-per-tier usage over time.
+"""What happened, in order: every runtime call (the event log a simulator replays), every access
+compute made to a block, every move between tiers, stalls, and per-tier usage over time.
 
 The access log is complete by construction: the runtime records an access inside ``acquire``,
-which is the only way compute gets at a block. Moves and stalls carry wall-clock timestamps (seconds
-since the tracker was created) for the Chrome trace and the usage plot.
+which is the only way compute gets at a block. Moves and stalls carry wall-clock timestamps
+(seconds since the tracker was created) for the Chrome trace and the usage plot.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any, Optional
 
 
 @dataclasses.dataclass(frozen=True)
 class Access:
+    """One block touched by compute: the public access-log line, plus the acquire it belonged to
+    (``group``) and whether it was written."""
+
     step: int
     seq: int
     block: str
     bytes: int
     tier: str
+    group: int = 0
+    write: bool = False
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -32,31 +38,65 @@ class Move:
     bytes: int
     start: float
     end: float
+    prefetch: bool = False
 
 
 DIRECTIONS = ("host->device", "device->host", "nvme->host", "host->nvme")
 
 
+@dataclasses.dataclass
+class BlockStats:
+    """Per-block statistics the hotness policy and the report use (positions are access seqs)."""
+
+    accesses: int = 0
+    last: int = -1
+    reuse_ewma: Optional[float] = None  # smoothed distance between consecutive accesses
+    per_step: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def touch(self, seq: int, step: int) -> None:
+        if self.last >= 0:
+            d = seq - self.last
+            self.reuse_ewma = d if self.reuse_ewma is None else 0.5 * self.reuse_ewma + 0.5 * d
+        self.accesses += 1
+        self.last = seq
+        self.per_step[step] = self.per_step.get(step, 0) + 1
+
+
 class Tracker:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
+        self.events: list[tuple[Any, ...]] = []  # runtime calls in order, see Runtime for the ops
         self.accesses: list[Access] = []
         self.moves: list[Move] = []
         self.usage: list[tuple[float, str, int]] = []  # (time, tier, bytes used after the change)
         self.stalls: list[tuple[float, float, str]] = []  # (start, end, block) waits for data
         self.traffic = {d: 0 for d in DIRECTIONS}
+        self.stats: dict[str, BlockStats] = {}
         self.step = 0
+        self.groups = 0
+        self.prefetched: set[str] = set()  # on the device thanks to a prefetch, not used yet
+        self.prefetch_issued = 0
+        self.prefetch_hits = 0
+        self.follow: list[tuple[int, int]] = []  # per step: (acquires matching the recorded step, acquires)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def access(self, block: str, nbytes: int, tier: str) -> int:
-        seq = len(self.accesses)
-        self.accesses.append(Access(self.step, seq, block, nbytes, tier))
-        return seq
+    def event(self, *ev: Any) -> None:
+        self.events.append(ev)
 
-    def move(self, block: str, src: str, dst: str, nbytes: int, start: float, end: float) -> None:
-        self.moves.append(Move(block, src, dst, nbytes, start, end))
+    def access(self, block: str, nbytes: int, tier: str, group: int, write: bool) -> Access:
+        a = Access(self.step, len(self.accesses), block, nbytes, tier, group, write)
+        self.accesses.append(a)
+        self.stats.setdefault(block, BlockStats()).touch(a.seq, a.step)
+        if block in self.prefetched:
+            self.prefetched.discard(block)
+            self.prefetch_hits += 1
+        return a
+
+    def move(self, block: str, src: str, dst: str, nbytes: int, start: float, end: float,
+             prefetch: bool = False) -> None:
+        self.moves.append(Move(block, src, dst, nbytes, start, end, prefetch))
         self.traffic[f"{src}->{dst}"] += nbytes
 
     def used(self, tier: str, used: int) -> None:

@@ -48,7 +48,6 @@ class Call:
     """One forward call of a unit, tracked until its backward is done."""
 
     unit: Unit
-    position: int  # index of this call in the step's forward order (-1: a checkpoint re-run)
     forward_pinned: bool = False  # holds the param blocks for its forward
     pinned: bool = False  # holds the param blocks for its backward
 

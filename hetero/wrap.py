@@ -23,7 +23,7 @@ from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, format_size
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
-from .policy import make_policy
+from .policies import make_policy
 from .runtime import Runtime, expected_block_bytes
 from .tiers import DEVICE, slot_size_for, slots_for
 from .units import Call, Unit, default_auto_wrap_policy, register_hooks, select_units, unit_blocks, unit_params
@@ -59,22 +59,17 @@ class HeteroState:
             id(s.param): (c, s) for c in chunks for s in c.slots}
         self.summoned = False
         self.sync_grads = True
-        self._order: list[int] = []  # unit indices in forward order, this step
-        self._last_order: list[int] = []  # ... and in the previous step (drives prefetch)
 
     # --------------------------------------------------------------- hooks (see hetero.units)
 
     def pre_forward(self, unit: Unit) -> Call:
         if torch._C._current_graph_task_id() == -1:  # a real forward
-            position = len(self._order)
-            self._order.append(unit.index)
             self.runtime.acquire(unit.param_blocks)
-            self._prefetch(self._last_order[position + 1:position + 1 + self.cfg.prefetch])
-            return Call(unit, position, forward_pinned=True)
+            return Call(unit, forward_pinned=True)
         # Activation checkpointing re-runs this forward inside backward. Non-reentrant checkpoint
         # may stop the re-run early, so the post-forward hook is not guaranteed: rely on the
         # backward pin when there is one, else pin until this backward pass ends.
-        call = Call(unit, position=-1)
+        call = Call(unit)
         if unit.backward_pins == 0:
             self.runtime.acquire(unit.param_blocks)
             call.forward_pinned = True
@@ -101,9 +96,6 @@ class HeteroState:
         # Released by _PostBackward, or at the latest when this backward pass ends.
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "post_backward", call))
-        if call.position > 0:  # the units whose backward comes next
-            lo = max(0, call.position - self.cfg.prefetch)
-            self._prefetch(self._order[lo:call.position][::-1])
 
     def post_backward(self, call: Call) -> None:
         if call.pinned:
@@ -111,18 +103,12 @@ class HeteroState:
             call.pinned = False
             call.unit.backward_pins -= 1
 
-    def _prefetch(self, unit_indices: list[int]) -> None:
-        if unit_indices:
-            self.runtime.prefetch([b for i in unit_indices for b in self.units[i].param_blocks])
-
     def accumulate_grad(self, param: nn.Parameter) -> None:
         """Move ``param.grad`` into its chunk's grad block (post-accumulate-grad hook)."""
         chunk, slot = self.slot_of[id(param)]
         grad, param.grad = param.grad, None
         block = chunk.blocks[GRAD]
-        if not block.tiers:
-            self.runtime.create(block)
-        self.runtime.acquire([block], DEVICE, write=True)
+        self.runtime.acquire([block], DEVICE, write=True)  # created zero-filled on first use
         try:
             with torch.no_grad():
                 if chunk.grad_scale is not None:  # clipped, then accumulated into: apply the clip
@@ -138,7 +124,6 @@ class HeteroState:
             self.runtime.release([block], DEVICE)
 
     def end_step(self) -> None:
-        self._last_order, self._order = self._order, []
         self.runtime.end_step()
 
     def begin_forward(self) -> None:
@@ -154,7 +139,6 @@ class HeteroState:
         for unit in self.units:
             unit.calls.clear()
             unit.backward_pins = 0
-        self._order = []
 
     # --------------------------------------------------------------- whole-model views
 
@@ -514,7 +498,7 @@ def wrap(
                     "reset_parameters(); pass param_init_fn=callable(module) to initialize them")
 
     # Nothing has moved so far; from here on the runtime places the state.
-    runtime = Runtime(cfg, chunks, make_policy(cfg.policy))
+    runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
     original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
     try:
         _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device,

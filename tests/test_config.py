@@ -15,7 +15,7 @@ from torch import nn
 
 import hetero
 from hetero.config import parse_size
-from hetero.policy import LRU
+from hetero.policies import LRU
 from models import GPT, Block, batches, state_bytes
 
 CHUNK = "8KiB"
@@ -416,7 +416,7 @@ def test_failure_while_placing_leaves_model_untouched(tmp_path):
     from hetero import engine
 
     class StartOnNVMe(LRU):
-        def home(self, block, free):  # every new block starts on NVMe: placing writes swap
+        def home(self, block, free, capacity):  # every new block starts on NVMe: placing writes swap
             return "nvme"
 
     model = make_model()

@@ -50,4 +50,4 @@ def test_cuda_training_matches_eager(split, tmp_path) -> None:
 
 def test_host_arena_is_pinned() -> None:
     wrapped = hetero.wrap(make(), device="cuda", chunk_size="8KiB")
-    assert wrapped._hetero_state.runtime.arena.buffer.is_pinned()
+    assert wrapped._hetero_state.runtime.storage.arena.buffer.is_pinned()

@@ -1,0 +1,140 @@
+"""The Adam(W) update of one flat chunk slice: the fused C++ kernel on the CPU, torch ops elsewhere.
+
+:func:`adam_step_` is what :class:`hetero.optim.Adam` calls for every run of parameters it updates.
+For CPU tensors, when the extension ``hetero._C`` is built, it runs ``csrc/cpu_adam.cpp``: one pass
+that reads the gradient (fp32, bf16 or fp16) with the gradient scale folded in, updates the fp32
+param/master, exp_avg and exp_avg_sq in place and, for mixed precision, writes the low-precision
+param copy in the same pass; SIMD (AVX-512 / AVX2, picked at run time) over several threads with
+the GIL released. Anywhere else (a GPU tier, a non-contiguous view, no extension) it runs the same
+math as torch ops (:func:`adam_update_`). Both are torch's single-tensor Adam op for op, so either
+equals ``torch.optim.Adam`` / ``AdamW`` (CPU, default options) bit for bit.
+
+Code path of the C++ kernel: the ``isa`` argument, else the environment variable
+``HETERO_ADAM_ISA`` (``avx512``, ``avx2`` or ``scalar``; read at every call), else the best the CPU
+supports; asking for one the CPU lacks raises ValueError. ``threads`` defaults to
+``torch.get_num_threads()``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+try:
+    from hetero import _C as _ext
+except (ImportError, OSError):  # not built, or built against another torch
+    _ext = None
+if _ext is not None and not hasattr(_ext, "adam_step"):
+    _ext = None  # an extension built before the kernel existed: rebuild to get it
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+Scale = Union[float, torch.Tensor, None]
+
+
+def has_kernel() -> bool:
+    """Whether the C++ kernel is available (``hetero._C`` built with ``csrc/cpu_adam.cpp``)."""
+    return _ext is not None
+
+
+def available_isas() -> list[str]:
+    """Code paths of the C++ kernel this CPU can run, best first (``[]`` without the kernel).
+
+    A subset of ``["avx512", "avx2", "scalar"]``; ``"scalar"`` is always there when the kernel is.
+    """
+    return list(_ext.adam_isas()) if _ext is not None else []
+
+
+def selected_isa(isa: Optional[str] = None) -> str:
+    """The code path a call with ``isa`` takes now (``isa`` argument, HETERO_ADAM_ISA, or best)."""
+    if _ext is None:
+        raise RuntimeError("the C++ Adam kernel is not built; run `pip install --no-build-isolation -e .`")
+    return _ext.adam_isa(isa or "")
+
+
+def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, decoupled: bool) -> None:
+    """One Adam(W) update of flat tensors in place, exactly as torch's ``_single_tensor_adam``.
+
+    The torch-ops reference and fallback of :func:`adam_step_`; ``grad`` has ``param``'s dtype and
+    is not modified.
+    """
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _kernel_applies(tensors: list[torch.Tensor], grad: torch.Tensor,
+                    param_out: Optional[torch.Tensor]) -> bool:
+    return (_ext is not None
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and all(t.dtype == torch.float32 for t in tensors[:1] + tensors[2:4])
+            and grad.dtype in _GRAD_DTYPES
+            and (param_out is None or (param_out.dtype in _OUT_DTYPES and param_out.device.type == "cpu"
+                                       and param_out.is_contiguous())))
+
+
+def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, decoupled: bool, grad_scale: Scale = None,
+               param_out: Optional[torch.Tensor] = None, isa: Optional[str] = None,
+               threads: Optional[int] = None) -> None:
+    """One Adam (``decoupled=False``, L2 weight decay) or AdamW update of flat tensors in place.
+
+    ``param`` (fp32 master or plain param), ``exp_avg`` and ``exp_avg_sq`` are updated; ``grad``
+    (param's dtype, or bf16/fp16 under mixed precision) is read only, after multiplying by
+    ``grad_scale`` (a float or a one-element tensor, e.g. a clipping coefficient) when given;
+    ``param_out`` (bf16/fp16, same numel), when given, receives the updated param rounded to
+    nearest even. ``step`` is the step count after this update (torch's ``state["step"]``).
+    The result equals torch's own sequence: ``g = grad.to(param.dtype) * grad_scale``, a
+    ``torch.optim.Adam/AdamW`` step, ``param_out.copy_(param)``.
+
+    Uses the C++ kernel for contiguous CPU tensors when it is built; ``isa`` / ``threads`` pick its
+    code path and thread count. Asking for an ``isa`` when the kernel cannot run raises.
+    """
+    if step < 1:
+        raise ValueError(f"step={step} is not accepted; expected the step count after this update (>= 1)")
+    tensors = [param, grad, exp_avg, exp_avg_sq]
+    if _kernel_applies(tensors, grad, param_out):
+        scale = 1.0 if grad_scale is None else float(grad_scale)  # a tensor: .item(), exact in fp32
+        _ext.adam_step(param, grad, exp_avg, exp_avg_sq, param_out, step=int(step), lr=float(lr),
+                       beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                       weight_decay=float(weight_decay), decoupled=bool(decoupled),
+                       grad_scale=scale, isa=isa or "",
+                       threads=torch.get_num_threads() if threads is None else int(threads))
+        return
+    if isa is not None:
+        why = ("the C++ kernel is not built" if _ext is None
+               else "the tensors are not contiguous CPU tensors of supported dtypes")
+        raise RuntimeError(f"isa={isa!r} asks for the C++ Adam kernel but {why}")
+    g = grad.to(param.dtype)
+    if grad_scale is not None:
+        g = g * (grad_scale.to(g.device) if isinstance(grad_scale, torch.Tensor) else grad_scale)
+    adam_update_(param, g, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                 eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+    if param_out is not None:
+        param_out.copy_(param)
+
+
+def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *,
+                   isa: Optional[str] = None, threads: Optional[int] = None) -> int:
+    """Memory-bandwidth probe of the C++ extension: ``u += sum(read)`` for each ``u`` in ``update``
+    (contiguous fp32 CPU tensors of one numel). With ``read=[g]``, ``update=[p, m, v]`` it moves
+    the bytes of an fp32 Adam step and nothing else; returns the bytes moved
+    (``numel * 4 * (len(read) + 2 * len(update))``)."""
+    if _ext is None:
+        raise RuntimeError("the C++ streaming kernel is not built; run `pip install --no-build-isolation -e .`")
+    return int(_ext.stream_update(read, update, isa=isa or "",
+                                  threads=torch.get_num_threads() if threads is None else int(threads)))

@@ -1,0 +1,23 @@
+"""Placement policies: pure functions of block metadata and access history (see ``base``)."""
+
+from __future__ import annotations
+
+from .auto import Auto
+from .base import BlockInfo, Policy, Timeline
+from .hotness import Hotness
+from .lru import LRU
+from .opt import Opt
+from .static import Static
+
+POLICIES = {"auto": Auto, "opt": Opt, "hotness": Hotness, "lru": LRU, "static": Static}
+
+
+def make_policy(policy: "str | Policy") -> Policy:
+    """A fresh policy object for a ``policy=`` argument (a name in POLICIES, or an instance)."""
+    if isinstance(policy, Policy):
+        return policy
+    return POLICIES[policy]()
+
+
+__all__ = ["Policy", "BlockInfo", "Timeline", "make_policy", "POLICIES",
+           "Auto", "Opt", "Hotness", "LRU", "Static"]

@@ -1,0 +1,140 @@
+"""The policy interface, and the recorded-step timeline that trace-driven policies share.
+
+A policy is pure: it sees block metadata and the stream of acquires, never tensors or I/O. The
+runtime (and the simulator, which is the same runtime over simulated storage) calls:
+
+* :meth:`Policy.observe` for every recorded acquire, and :meth:`Policy.end_step` after each step;
+* :meth:`Policy.victim` to choose which unpinned block leaves a full tier;
+* :meth:`Policy.home` for the tier a new block starts on;
+* :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from typing import Mapping, Optional, Sequence
+
+DEVICE, HOST, NVME = "device", "host", "nvme"
+TIER_ORDER = (DEVICE, HOST, NVME)
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInfo:
+    """What a policy may know about a block."""
+
+    id: str
+    kind: str
+    nbytes: int
+    clean_below: bool  # a valid copy exists on another tier: evicting it writes nothing
+
+
+class Policy:
+    """Base class of placement policies (subclass it to pass an instance as ``policy=``)."""
+
+    name = "base"
+
+    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int) -> None:
+        """Compute acquired ``blocks`` on ``tier``; ``seq`` is the access number of the first."""
+
+    def end_step(self, step: int) -> None:
+        """Training step ``step`` is complete."""
+
+    def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
+        """The block to evict from ``tier``; ``candidates`` is non-empty and all are unpinned."""
+        raise NotImplementedError
+
+    def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
+        """Tier on which a new block starts. Default: the fastest tier with room, else host."""
+        for tier in TIER_ORDER:
+            if free.get(tier, 0) >= block.nbytes:
+                return tier
+        return HOST
+
+    def next_use(self, block_id: str, tier: str) -> float:
+        """Predicted accesses until ``block_id`` is next needed on ``tier`` (inf: not expected)."""
+        return math.inf
+
+    def upcoming(self, groups: int) -> list[tuple[str, str]]:
+        """``(block, tier)`` of the next ``groups`` expected acquires, in order ([] if unknown)."""
+        return []
+
+
+class Timeline:
+    """The access sequence of the last complete step, and where the current step stands in it.
+
+    Training steps repeat, so the previous step tells each block's next use exactly (with
+    wrap-around into the next step). When the current step departs from it (routing, branches)
+    the position resynchronizes on the next access it recognizes within ``window``; blocks the
+    recorded step never touched have an unknown future. At the end of each step the step just
+    seen becomes the recording, so a changed sequence is learned after one step, never dropped.
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        self.window = window
+        self.recorded: list[tuple[str, str, int]] = []  # (block, tier, acquire index in step)
+        self._index: dict[tuple[str, str], list[int]] = {}  # (block, tier or "*") -> positions
+        self._current: list[tuple[str, str, int]] = []
+        self._groups = 0
+        self.pos = 0
+        self.matched = 0
+        self.seen = 0
+
+    def observe(self, blocks: Sequence[str], tier: str) -> None:
+        for b in blocks:
+            self._current.append((b, tier, self._groups))
+            self.seen += 1
+            if not self.recorded:
+                continue
+            if self.pos < len(self.recorded) and self.recorded[self.pos][:2] == (b, tier):
+                self.pos += 1
+                self.matched += 1
+                continue
+            positions = self._index.get((b, tier), [])
+            i = bisect.bisect_left(positions, self.pos)
+            if i < len(positions) and positions[i] - self.pos <= self.window:
+                self.pos = positions[i] + 1  # skipped what this step did not do
+        self._groups += 1
+
+    def end_step(self) -> tuple[int, int]:
+        """Adopt the step just seen as the recording; returns (matched, seen) of that step."""
+        result = (self.matched, self.seen)
+        if self._current:
+            self.recorded = self._current
+            self._index = {}
+            for i, (b, t, _) in enumerate(self.recorded):
+                self._index.setdefault((b, t), []).append(i)
+                self._index.setdefault((b, "*"), []).append(i)
+        self._current, self._groups, self.pos, self.matched, self.seen = [], 0, 0, 0, 0
+        return result
+
+    def next_use(self, block: str, tier: str) -> Optional[int]:
+        """Accesses until ``block`` is next used on ``tier`` ("*": anywhere), wrapping into the
+        next step; None when the recorded step never uses it there."""
+        positions = self._index.get((block, tier))
+        if not positions:
+            return None
+        i = bisect.bisect_left(positions, self.pos)
+        if i < len(positions):
+            return positions[i] - self.pos
+        return len(self.recorded) - self.pos + positions[0]
+
+    def upcoming(self, groups: int) -> list[tuple[str, str]]:
+        """Accesses of the next ``groups`` recorded acquires from the current position."""
+        out: list[tuple[str, str]] = []
+        if not self.recorded or groups <= 0:
+            return out
+        n = len(self.recorded)
+        last_group = None
+        seen_groups = 0
+        for k in range(n):
+            b, t, g = self.recorded[(self.pos + k) % n]
+            if g != last_group:
+                seen_groups += 1
+                if seen_groups > groups:
+                    break
+                last_group = g
+            out.append((b, t))
+        return out

@@ -1,0 +1,23 @@
+"""Least recently used: the baseline every other policy must beat."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .base import BlockInfo, Policy
+
+
+class LRU(Policy):
+    """Evict the least recently used block (never-used blocks first, then by id)."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int) -> None:
+        for i, b in enumerate(blocks):
+            self._last[b] = seq + i
+
+    def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
+        return min(candidates, key=lambda b: (self._last.get(b.id, -1), b.id))

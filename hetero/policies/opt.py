@@ -1,0 +1,64 @@
+"""Belady with wrap-around: evict the block whose next use is furthest away.
+
+Next uses come from the recorded step (:class:`~hetero.policies.base.Timeline`), counting into
+the next step, which is where Gemini's warm-up trace stops. Among blocks with the same future the
+clean one goes first (a valid copy below means the eviction writes nothing). Blocks the recording
+does not know are predicted by ``fallback`` (LRU order by default: they are evicted before any
+block with a known future).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional, Sequence
+
+from .base import DEVICE, HOST, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
+from .hotness import Hotness
+
+
+class Opt(Policy):
+    name = "opt"
+
+    def __init__(self, fallback: Optional[Hotness] = None) -> None:
+        self.timeline = Timeline()
+        self.fallback = fallback
+        self._last: dict[str, int] = {}
+        self.follow: list[tuple[int, int]] = []  # (matched, seen) accesses per completed step
+
+    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int) -> None:
+        self.timeline.observe(blocks, tier)
+        if self.fallback is not None:
+            self.fallback.observe(blocks, tier, step, seq)
+        for i, b in enumerate(blocks):
+            self._last[b] = seq + i
+
+    def end_step(self, step: int) -> None:
+        self.follow.append(self.timeline.end_step())
+
+    def next_use(self, block_id: str, tier: str) -> float:
+        # A block on the host is needed there for any use (the device is fed through the host).
+        d = self.timeline.next_use(block_id, tier if tier == DEVICE else "*")
+        if d is not None:
+            return float(d)
+        return self.fallback.predicted(block_id) if self.fallback is not None else math.inf
+
+    def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
+        return max(candidates, key=lambda b: (self.next_use(b.id, tier), b.clean_below,
+                                              -self._last.get(b.id, -1), b.id))
+
+    def upcoming(self, groups: int) -> list[tuple[str, str]]:
+        return self.timeline.upcoming(groups)
+
+    def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
+        """Optimizer states are used once a step (long reuse distance): they take the device only
+        when it stays at least half free after them; everything else takes the fastest room."""
+        if block.kind in OPTIMIZER_KINDS:
+            if free.get(DEVICE, 0) - block.nbytes >= capacity.get(DEVICE, 0) / 2:
+                return DEVICE
+            tiers = [t for t in TIER_ORDER if t != DEVICE]
+        else:
+            tiers = list(TIER_ORDER)
+        for t in tiers:
+            if free.get(t, 0) >= block.nbytes:
+                return t
+        return HOST
