@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from .config import format_size
 from .tiers import TIER_ORDER
 from .tracker import Access, Move
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .simulator import SimResult
     from .wrap import HeteroState
 
 
@@ -17,12 +18,18 @@ class Report:
     """A snapshot of a HeteroModule's placement (taken by ``placement_report()``)."""
 
     def __init__(self, summary: dict[str, Any], accesses: list[Access], moves: list[Move],
-                 usage: list[tuple[float, str, int]], stalls: list[tuple[float, float, str]]) -> None:
+                 usage: list[tuple[float, str, int]], stalls: list[tuple[float, float, str]],
+                 events: list[tuple] = (), catalog: Optional[dict[str, tuple[str, int]]] = None,
+                 slot_size: int = 4096, prefetch: int = 0) -> None:
         self._summary = summary
         self.accesses = accesses
         self.moves = moves
         self.usage = usage
         self.stalls = stalls
+        self.events = list(events)  # every runtime call, for replay in the simulator
+        self.catalog = catalog or {}  # block id -> (kind, bytes)
+        self.slot_size = slot_size
+        self.prefetch = prefetch
 
     @classmethod
     def from_state(cls, state: "HeteroState") -> "Report":
@@ -35,6 +42,7 @@ class Report:
         blocks = [{"id": b.id, "kind": b.kind, "bytes": b.nbytes,
                    "tier": rt.top(b) if b.tiers else "none",
                    "hotness": hotness.get(b.id, 0) / steps} for b in rt.blocks()]
+        follow = getattr(rt.policy, "follow", [])
         summary = {
             "policy": rt.policy.name,
             "steps": tr.step,
@@ -42,8 +50,47 @@ class Report:
             "tiers": {name: t.as_dict() for name, t in rt.tiers.items()},
             "traffic": dict(tr.traffic),
             "blocks": blocks,
+            "misses": tr.misses,
+            "prefetch": {"issued": tr.prefetch_issued, "hits": tr.prefetch_hits},
+            # per step, the share of accesses that followed the recorded step (trace policies)
+            "trace_follow": [m / n if n else 1.0 for m, n in follow],
         }
-        return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls))
+        catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
+        return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
+                   list(tr.events), catalog, rt.slot_size, rt.prefetch_depth)
+
+    def capacities(self, **budgets: Optional[int]) -> dict[str, int]:
+        """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced."""
+        caps = {n: t["capacity"] for n, t in self._summary["tiers"].items()}
+        caps.update({k: v for k, v in budgets.items() if v is not None})
+        return caps
+
+    def simulate(self, policy: Any = None, *, device: Optional[int] = None, host: Optional[int] = None,
+                 nvme: Optional[int] = None, prefetch: Optional[int] = None) -> "SimResult":
+        """Replay this run's event log under another policy and/or budgets (bytes), without
+        tensors. With no arguments the result reproduces the run."""
+        from .simulator import replay
+
+        return replay(self.events, self.catalog, policy or self._summary["policy"],
+                      self.capacities(device=device, host=host, nvme=nvme), self.slot_size,
+                      self.prefetch if prefetch is None else prefetch)
+
+    def belady_bound(self, device: Optional[int] = None) -> int:
+        """Belady's minimum of bytes fetched onto the device for this run's accesses."""
+        from .simulator import belady_bound
+
+        return belady_bound(self.events, self.catalog, self.capacities(device=device)["device"])
+
+    def save_event_log(self, path: str) -> None:
+        """JSON Lines of every runtime call (create / acquire / release / discard / end_step),
+        preceded by one header line with the catalog, slot size and capacities: the input of
+        ``hetero.simulator.load_event_log``."""
+        with open(path, "w") as f:
+            f.write(json.dumps({"catalog": self.catalog, "slot_size": self.slot_size,
+                                "capacities": self.capacities(), "prefetch": self.prefetch,
+                                "policy": self._summary["policy"]}) + "\n")
+            for ev in self.events:
+                f.write(json.dumps(ev) + "\n")
 
     def as_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self._summary))  # a deep, JSON-clean copy

@@ -93,14 +93,16 @@ class Runtime:
 
     # ------------------------------------------------------------------ public operations
 
-    def create(self, block: Block, init: Optional[torch.Tensor] = None) -> None:
-        """Give a new block its first home (chosen by the policy) and fill it from ``init``
-        (a flat tensor of the block's dtype on any device; ``None`` zero-fills)."""
+    def create(self, block: Block, init: Optional[torch.Tensor] = None, tier: Optional[str] = None) -> None:
+        """Give a new block its first home and fill it from ``init`` (a flat tensor of the
+        block's dtype on any device; ``None`` zero-fills). The home is ``tier`` if given, else
+        the policy's choice."""
         assert not block.tiers, f"{block} already exists"
         self._blocks[block.id] = block
-        self.tracker.event("create", block.id, block.kind, block.nbytes)
-        tier = self.policy.home(self._info(block), self.free_bytes(),
-                                {n: t.capacity for n, t in self.tiers.items()})
+        self.tracker.event("create", block.id, block.kind, block.nbytes, tier)
+        if tier is None:
+            tier = self.policy.home(self._info(block), self.free_bytes(),
+                                    {n: t.capacity for n, t in self.tiers.items()})
         first = HOST if tier == NVME else tier  # NVMe is written from a host slot
         self._in_flight.add(block)
         try:
@@ -123,13 +125,15 @@ class Runtime:
         to change the data. Raises HeteroOOMError when the tier cannot hold them.
         """
         for block in blocks:
-            if not block.tiers:
-                self.create(block)
+            if not block.tiers:  # first use (or first since a discard): start where it is needed
+                self.create(block, tier=tier)
         self.tracker.event("acquire", tuple(b.id for b in blocks), tier, write, record)
         protect = set(blocks)
         group = self.tracker.groups
         self.tracker.groups += 1
         for block in blocks:
+            if record and tier not in block.tiers:
+                self.tracker.misses += 1
             self._fetch(block, tier, protect)
             block.pins[tier] = block.pins.get(tier, 0) + 1
             if write:
@@ -172,6 +176,16 @@ class Runtime:
         finally:
             self.release([block], tier)
 
+    def discard(self, block: Block) -> None:
+        """Drop every copy of ``block``: its contents are dead (gradients after zero_grad). The
+        next acquire creates it afresh where it is needed, moving nothing."""
+        if not block.tiers:
+            return
+        assert not any(block.pins.values()), f"{block} is discarded while in use"
+        self.tracker.event("discard", block.id)
+        for tier in list(block.tiers):
+            self._free(block, tier)
+
     def unpin_all(self) -> None:
         """Forget every pin (after an exception abandoned a forward or backward half-way)."""
         self.tracker.event("unpin_all")
@@ -198,8 +212,9 @@ class Runtime:
         near = self.policy.upcoming(self.prefetch_depth)
         for i, (block_id, tier) in enumerate(ahead):
             block = self._blocks.get(block_id)
-            if block is None or tier != DEVICE or DEVICE in block.tiers or any(block.pins.values()):
-                continue  # absent, not for the device, already there, or in use (maybe being written)
+            if (block is None or not block.tiers or tier != DEVICE or DEVICE in block.tiers
+                    or any(block.pins.values())):
+                continue  # absent or discarded, not for the device, already there, or in use
             target = DEVICE if i < len(near) else HOST
             if target == HOST and HOST in block.tiers:
                 continue

@@ -75,6 +75,7 @@ class Tracker:
         self.step = 0
         self.groups = 0
         self.prefetched: set[str] = set()  # on the device thanks to a prefetch, not used yet
+        self.misses = 0  # recorded acquires whose block was not on the requested tier
         self.prefetch_issued = 0
         self.prefetch_hits = 0
         self.follow: list[tuple[int, int]] = []  # per step: (acquires matching the recorded step, acquires)

@@ -1,11 +1,11 @@
 """Adam and AdamW over chunks, stepping each chunk on the tier that holds its optimizer state.
 
 For every chunk the step acquires four blocks on one tier — param, grad, exp_avg, exp_avg_sq — and
-updates contiguous runs of parameters with vectorized torch ops (the C++ SIMD kernel replaces this
-later). The tier is the device when the chunk's exp_avg is there and the four blocks fit the
-device budget, else the host (a block on NVMe is staged through a host slot). The math is torch's
-single-tensor Adam, op for op, so results match ``torch.optim.Adam`` / ``AdamW`` to float32
-rounding; ``state_dict()`` is torch's format and loads into either.
+updates contiguous runs of parameters with ``hetero.optim.kernel.adam_step_`` (the fused C++ SIMD
+kernel on CPU tiers, torch ops on a GPU). The tier is the device when the chunk's exp_avg is there
+and the four blocks fit the device budget, else the host (a block on NVMe is staged through a host
+slot). The math is torch's single-tensor Adam, op for op, so results match ``torch.optim.Adam`` /
+``AdamW`` to float32 rounding; ``state_dict()`` is torch's format and loads into either.
 """
 
 from __future__ import annotations
@@ -19,26 +19,9 @@ from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Chunk, ParamSlot
 from ..config import format_size
 from ..errors import HeteroConfigError, HeteroOOMError
 from ..tiers import DEVICE, HOST, align_up
+from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
 
 _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
-
-
-def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                 exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
-                 eps: float, weight_decay: float, decoupled: bool) -> None:
-    """One Adam(W) update of flat tensors in place, exactly as torch's ``_single_tensor_adam``."""
-    if weight_decay != 0:
-        if decoupled:
-            param.mul_(1 - lr * weight_decay)
-        else:
-            grad = grad.add(param, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 class Adam(torch.optim.Optimizer):
@@ -155,18 +138,18 @@ class Adam(torch.optim.Optimizer):
             rt.acquire(writes, tier, write=True)
             try:
                 w_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (master, grad, m, v))
+                p_flat = rt.data(param, tier) if param is not None else None
                 for start, end, g, step in runs:
                     group = self.param_groups[g]
                     beta1, beta2 = group["betas"]
-                    w = w_flat[start:end]
-                    grad_in = g_flat[start:end].to(w.dtype)
-                    if chunk.grad_scale is not None:
-                        grad_in = grad_in * chunk.grad_scale.to(grad_in.device)
-                    adam_update_(w, grad_in, m_flat[start:end], v_flat[start:end],
-                                 step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                                 weight_decay=group["weight_decay"], decoupled=self._decoupled)
-                    if param is not None:
-                        rt.data(param, tier)[start:end].copy_(w)
+                    # On the CPU one fused pass of the C++ kernel: low-precision grad in with the
+                    # clip/loss scale folded in, fp32 master/m/v updated, low-precision param out.
+                    # Elsewhere the same math as torch ops (hetero.optim.kernel.adam_step_).
+                    adam_step_(w_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end],
+                               step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                               weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                               grad_scale=chunk.grad_scale,
+                               param_out=None if p_flat is None else p_flat[start:end])
                 for s in chunk.slots:
                     if id(s.param) in groups and s.has_grad:
                         s.step += 1
@@ -188,6 +171,8 @@ class Adam(torch.optim.Optimizer):
             if set_to_none:
                 for s in slots:
                     s.has_grad = False
+                if not any(s.has_grad for s in chunk.slots):
+                    st.runtime.discard(chunk.blocks[GRAD])  # dead bytes: free them everywhere
                 continue
             block = chunk.blocks[GRAD]
             tier = st.runtime.working_tier(block)

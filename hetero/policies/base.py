@@ -96,6 +96,7 @@ class Timeline:
             i = bisect.bisect_left(positions, self.pos)
             if i < len(positions) and positions[i] - self.pos <= self.window:
                 self.pos = positions[i] + 1  # skipped what this step did not do
+                self.matched += 1
         self._groups += 1
 
     def end_step(self) -> tuple[int, int]:

@@ -1,0 +1,225 @@
+"""Replay a run's placement without tensors: the same runtime and policy code over simulated
+storage, so "what would policy X do under budgets Y" is answered by the code that would run.
+
+* :func:`replay` re-issues a run's event log (every create / acquire / release / discard /
+  end_step the runtime saw) and returns bytes moved per direction, misses and peaks;
+* :func:`replay_access_log` does the same from a public access log alone (each access is an
+  acquire, blocks appear at first use) — an approximation for logs recorded elsewhere;
+* :func:`belady_bound` is the clairvoyant minimum of device fetches for the same accesses:
+  evict the block whose next use is furthest, knowing the whole future.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from .errors import HeteroOOMError
+from .policies import Policy, make_policy
+from .runtime import Runtime
+from .tiers import DEVICE, HOST, NVME, SlotPool, slots_for
+
+
+class SimBlock:
+    """A block with no data: what the runtime needs to place and account it."""
+
+    def __init__(self, block_id: str, kind: str, nbytes: int) -> None:
+        self.id, self.kind, self.nbytes = block_id, kind, nbytes
+        self.tiers: set[str] = set()
+        self.pins: dict[str, int] = {}
+        self.host_offset: Optional[int] = None
+        self.nvme_loc: Optional[tuple[int, int]] = None
+
+    def __repr__(self) -> str:
+        return f"SimBlock({self.id}, {self.nbytes} B, tiers={sorted(self.tiers)})"
+
+
+class SimStorage:
+    """Storage that carves slots exactly as :class:`~hetero.tiers.TierStorage` but holds no bytes."""
+
+    def __init__(self, capacities: Mapping[str, int], slot_size: int) -> None:
+        self.host = SlotPool(max(1, capacities[HOST] // slot_size), slot_size)
+        self.nvme = SlotPool(max(1, capacities.get(NVME, 0) // slot_size), slot_size)
+
+    def place(self, block: SimBlock, tier: str) -> bool:
+        if tier == DEVICE:
+            return True
+        if tier == HOST:
+            block.host_offset = self.host.alloc(block.nbytes, block)
+            return block.host_offset is not None
+        off = self.nvme.alloc(block.nbytes, block)
+        block.nvme_loc = None if off is None else (0, off)
+        return off is not None
+
+    def free(self, block: SimBlock, tier: str) -> None:
+        if tier == HOST:
+            self.host.free(block.host_offset, block.nbytes)
+        elif tier == NVME:
+            self.nvme.free(block.nvme_loc[1], block.nbytes)
+
+    def pools(self, tier: str) -> list[SlotPool]:
+        return [self.host] if tier == HOST else [self.nvme]
+
+    def data(self, block: SimBlock, tier: str) -> Any:
+        raise RuntimeError("a simulated block has no data")
+
+    def copy(self, block: SimBlock, src: str, dst: str) -> None:
+        pass
+
+    def fill(self, block: SimBlock, tier: str, init: Any) -> None:
+        pass
+
+    def on_device(self, block: SimBlock, resident: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class SimResult:
+    traffic: dict[str, int]
+    misses: int  # acquires whose block was not already on the requested tier
+    peak: dict[str, int]
+    prefetch_issued: int
+    prefetch_hits: int
+    accesses: int
+    oom: Optional[str] = None  # the HeteroOOMError message if the budgets could not serve the run
+
+    @property
+    def device_fetch_bytes(self) -> int:
+        return self.traffic["host->device"]
+
+
+def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],
+           policy: "str | Policy", capacities: Mapping[str, int], slot_size: int,
+           prefetch: int = 2) -> SimResult:
+    """Re-issue ``events`` (a run's ``Report.events``) against a runtime with ``policy`` and
+    ``capacities`` ({"device": bytes, "host": bytes, "nvme": bytes}); ``catalog`` maps block
+    ids to ``(kind, nbytes)``. With the run's own policy and budgets the result is the run's."""
+    rt = Runtime(dict(capacities), slot_size, make_policy(policy) if isinstance(policy, str) else policy,
+                 SimStorage(capacities, slot_size), prefetch)
+    blocks: dict[str, SimBlock] = {}
+
+    def get(block_id: str) -> SimBlock:
+        if block_id not in blocks:
+            kind, nbytes = catalog[block_id]
+            blocks[block_id] = SimBlock(block_id, kind, nbytes)
+        return blocks[block_id]
+
+    oom = None
+    try:
+        for op, *args in events:
+            if op == "create":
+                rt.create(get(args[0]), tier=args[3])
+            elif op == "acquire":
+                ids, tier, write, record = args
+                rt.acquire([get(i) for i in ids], tier, write, record)
+            elif op == "release":
+                ids, tier = args
+                rt.release([get(i) for i in ids], tier)
+            elif op == "discard":
+                rt.discard(get(args[0]))
+            elif op == "end_step":
+                rt.end_step()
+            elif op == "unpin_all":
+                rt.unpin_all()
+            else:
+                raise ValueError(f"unknown event {op!r} in the event log")
+    except HeteroOOMError as exc:
+        oom = str(exc)
+    tr = rt.tracker
+    return SimResult(dict(tr.traffic), tr.misses, {n: t.peak for n, t in rt.tiers.items()},
+                     tr.prefetch_issued, tr.prefetch_hits, len(tr.accesses), oom)
+
+
+def access_log_events(lines: Iterable[Mapping[str, Any]]) -> tuple[list[tuple], dict[str, tuple[str, int]]]:
+    """Events and catalog reconstructed from public access-log lines: consecutive lines of one
+    ``group`` (when present, else each line) form one acquire, released right after."""
+    events: list[tuple] = []
+    catalog: dict[str, tuple[str, int]] = {}
+    step, group = 0, None
+    pending: list[Mapping[str, Any]] = []
+
+    def flush() -> None:
+        if pending:
+            ids = tuple(l["block"] for l in pending)
+            tier, write = pending[0]["tier"], any(l.get("write", False) for l in pending)
+            events.append(("acquire", ids, tier, write, True))
+            events.append(("release", ids, tier))
+            pending.clear()
+
+    for line in lines:
+        catalog.setdefault(line["block"], (line["block"].split(".")[-1], int(line["bytes"])))
+        while line["step"] > step:
+            flush()
+            events.append(("end_step",))
+            step += 1
+        g = line.get("group", line["seq"])
+        if g != group:
+            flush()
+            group = g
+        pending.append(line)
+    flush()
+    events.append(("end_step",))
+    return events, catalog
+
+
+def replay_access_log(lines: Iterable[Mapping[str, Any]], policy: "str | Policy",
+                      capacities: Mapping[str, int], slot_size: int, prefetch: int = 2) -> SimResult:
+    events, catalog = access_log_events(list(lines))
+    return replay(events, catalog, policy, capacities, slot_size, prefetch)
+
+
+def belady_bound(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],
+                 capacity: int) -> int:
+    """Bytes fetched onto a device of ``capacity`` bytes by Belady's MIN over the run's device
+    accesses, knowing the whole future. A block's first use after its creation (or a discard) is
+    free, as in the runtime, which creates blocks where they are first needed."""
+    seq: list[tuple[str, bool]] = []  # (block, fresh: first use since creation)
+    fresh: set[str] = set()
+    seen: set[str] = set()
+    for op, *args in events:
+        if op in ("create", "discard"):
+            fresh.add(args[0])
+        elif op == "acquire" and args[3] and args[1] == DEVICE:
+            for b in args[0]:
+                seq.append((b, b in fresh or b not in seen))
+                fresh.discard(b)
+                seen.add(b)
+    nxt = [math.inf] * len(seq)
+    last: dict[str, int] = {}
+    for i in range(len(seq) - 1, -1, -1):
+        nxt[i] = last.get(seq[i][0], math.inf)
+        last[seq[i][0]] = i
+    cache: dict[str, float] = {}  # block -> index of its next use
+    used = 0
+    fetched = 0
+    for i, (b, is_fresh) in enumerate(seq):
+        size = catalog[b][1]
+        if b not in cache:
+            if not is_fresh:
+                fetched += size
+            while used + size > capacity and cache:
+                victim = max(cache, key=cache.__getitem__)
+                used -= catalog[victim][1]
+                del cache[victim]
+            if used + size <= capacity:
+                used += size
+                cache[b] = nxt[i]
+            continue
+        cache[b] = nxt[i]
+    return fetched
+
+
+def load_event_log(path: str) -> tuple[list[tuple], dict[str, tuple[str, int]], dict[str, Any]]:
+    """Events, catalog and header (slot_size, capacities, prefetch, policy) of a file written by
+    ``Report.save_event_log``."""
+    import json
+
+    with open(path) as f:
+        header = json.loads(f.readline())
+        events = [tuple(tuple(x) if isinstance(x, list) else x for x in json.loads(line)) for line in f]
+    catalog = {k: (v[0], int(v[1])) for k, v in header.pop("catalog").items()}
+    return events, catalog, header
