@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,9 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     bias: bool = True
+    tied: bool = True  # output head shares the token embedding
+    checkpointing: bool = False  # re-run each block's forward in backward (activation checkpointing)
+    n_expert: int = 0  # > 0: each block's MLP is a routed mixture of this many experts
 
 
 #: Named presets. ``small`` is what ``hetero train`` trains by default.
@@ -46,8 +50,23 @@ def get_config(name: str) -> GPTConfig:
         raise ValueError(f"model={name!r} is not a preset; expected one of {', '.join(PRESETS)}") from None
 
 
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.mlp_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp_proj(F.gelu(self.c_fc(x)))
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention then a 4x MLP, each with a residual."""
+    """Pre-norm transformer block: causal self-attention then a 4x MLP, each with a residual.
+
+    With ``n_expert`` the MLP is a mixture of experts routed per batch: the router's mean logits
+    pick one expert, whose output is scaled by its gate, so which parameters a step uses depends
+    on the data (the case trace-driven placement has to survive).
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -56,8 +75,11 @@ class Block(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.mlp_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        if cfg.n_expert:
+            self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+            self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_expert))
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -65,7 +87,12 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+        h = self.ln_2(x)
+        if not hasattr(self, "experts"):
+            return x + self.mlp(h)
+        gate = F.softmax(self.router(h).mean(dim=(0, 1)), dim=0)
+        e = int(gate.argmax())
+        return x + gate[e] * self.experts[e](h)
 
 
 class GPT(nn.Module):
@@ -82,7 +109,8 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
+        if cfg.tied:
+            self.lm_head.weight = self.wte.weight
         if not self.wte.weight.is_meta:
             self.apply(self._init_weights)
             for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
@@ -107,7 +135,10 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
-            x = block(x)
+            if self.config.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -52,6 +52,7 @@ class Runtime:
         self.prefetch_depth = prefetch
         self.tracker = Tracker()
         self._blocks: dict[str, Block] = {}
+        self._on: dict[str, dict[Block, None]] = {name: {} for name in capacities}  # copies per tier
         self._in_flight: set[Block] = set()  # blocks whose copy is being made: never victims
 
     @classmethod
@@ -109,7 +110,7 @@ class Runtime:
             self._alloc(block, first, set())
         finally:
             self._in_flight.discard(block)
-        block.tiers.add(first)
+        self._add_copy(block, first)
         self.storage.fill(block, first, init)
         self.storage.on_device(block, first == DEVICE)
         if tier == NVME:
@@ -247,7 +248,7 @@ class Runtime:
         t = self.tiers[tier]
         need = self._size_on(tier, block)
         while t.free < need:
-            victims = [self._info(b) for b in self.blocks() if self._evictable(b, tier, {block})
+            victims = [self._info(b) for b in self._on[tier] if self._evictable(b, tier, {block})
                        and self.policy.next_use(b.id, tier) > horizon]
             if not victims:
                 return False
@@ -299,7 +300,7 @@ class Runtime:
                 self.tracker.used(tier, t.used)
                 return
             if t.free < need:
-                victims = [self._info(b) for b in self.blocks() if self._evictable(b, tier, protect)]
+                victims = [self._info(b) for b in self._on[tier] if self._evictable(b, tier, protect)]
                 if not victims:
                     raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
                 self._evict(self._blocks[self.policy.victim(tier, victims).id], tier)
@@ -334,13 +335,18 @@ class Runtime:
             self.tracker.move(block.id, src, dst, block.nbytes, start, self.tracker.now(), prefetch)
         finally:
             self._in_flight.discard(block)
-        block.tiers.add(dst)
+        self._add_copy(block, dst)
+
+    def _add_copy(self, block: Block, tier: str) -> None:
+        block.tiers.add(tier)
+        self._on[tier][block] = None
 
     def _free(self, block: Block, tier: str, present: bool = True) -> None:
         if tier == DEVICE and present:
             self.storage.on_device(block, False)
         self.storage.free(block, tier)
         block.tiers.discard(tier)
+        self._on[tier].pop(block, None)
         t = self.tiers[tier]
         t.release(self._size_on(tier, block))
         self.tracker.used(tier, t.used)

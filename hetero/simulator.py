@@ -12,6 +12,8 @@ storage, so "what would policy X do under budgets Y" is answered by the code tha
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 import math
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -173,43 +175,74 @@ def replay_access_log(lines: Iterable[Mapping[str, Any]], policy: "str | Policy"
 
 
 def belady_bound(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],
-                 capacity: int) -> int:
-    """Bytes fetched onto a device of ``capacity`` bytes by Belady's MIN over the run's device
-    accesses, knowing the whole future. A block's first use after its creation (or a discard) is
-    free, as in the runtime, which creates blocks where they are first needed."""
-    seq: list[tuple[str, bool]] = []  # (block, fresh: first use since creation)
+                 capacity: int, max_pages: int = 4_000_000) -> int:
+    """A lower bound on the bytes any placement must fetch onto a device of ``capacity`` bytes
+    for the run's device accesses: Belady's MIN (evict the furthest next use, knowing the whole
+    future) over equal-size pages of the blocks.
+
+    Splitting blocks into pages relaxes the problem (a policy may keep part of a block), and for
+    equal sizes MIN is optimal, so no whole-block policy can fetch less: with blocks of unequal
+    sizes, block-level MIN is not a bound. Pages are the gcd of the block sizes (coarser if the
+    log would need more than ``max_pages`` page accesses). A block's first use after its creation
+    (or a discard) is free, as in the runtime, which creates blocks where they are first needed;
+    a write elsewhere (the optimizer updating a block in host memory) kills the device copy.
+    """
+    ops: list[tuple[bool, str, bool]] = []  # (use?, block, fresh: first use since creation)
     fresh: set[str] = set()
     seen: set[str] = set()
     for op, *args in events:
         if op in ("create", "discard"):
             fresh.add(args[0])
-        elif op == "acquire" and args[3] and args[1] == DEVICE:
+        elif op == "acquire" and args[1] == DEVICE and args[3]:
             for b in args[0]:
-                seq.append((b, b in fresh or b not in seen))
+                ops.append((True, b, b in fresh or b not in seen))
                 fresh.discard(b)
                 seen.add(b)
-    nxt = [math.inf] * len(seq)
-    last: dict[str, int] = {}
-    for i in range(len(seq) - 1, -1, -1):
-        nxt[i] = last.get(seq[i][0], math.inf)
-        last[seq[i][0]] = i
-    cache: dict[str, float] = {}  # block -> index of its next use
-    used = 0
-    fetched = 0
-    for i, (b, is_fresh) in enumerate(seq):
+        elif op == "acquire" and args[1] != DEVICE and args[2]:  # written off the device
+            ops += [(False, b, False) for b in args[0]]
+    used_sizes = {catalog[b][1] for _, b, _ in ops}
+    if not used_sizes:
+        return 0
+    page = functools.reduce(math.gcd, used_sizes)
+    total = sum(catalog[b][1] for use, b, _ in ops if use)
+    page *= max(1, -(-total // (page * max_pages)))
+    pages: list[tuple[bool, tuple[str, int], bool, int]] = []
+    for use, b, is_fresh in ops:
         size = catalog[b][1]
-        if b not in cache:
-            if not is_fresh:
-                fetched += size
-            while used + size > capacity and cache:
-                victim = max(cache, key=cache.__getitem__)
-                used -= catalog[victim][1]
-                del cache[victim]
-            if used + size <= capacity:
-                used += size
-                cache[b] = nxt[i]
+        for k in range(-(-size // page)):
+            pages.append((use, (b, k), is_fresh, min(page, size - k * page)))
+    never = len(pages) + 1
+    nxt = [never] * len(pages)
+    last: dict[tuple[str, int], int] = {}
+    for i in range(len(pages) - 1, -1, -1):
+        use, pg, _, _ = pages[i]
+        if use:
+            nxt[i] = last.get(pg, never)
+            last[pg] = i
+        else:
+            last.pop(pg, None)  # the copy dies here: no later use can be served by it
+    cache: dict[tuple[str, int], int] = {}  # page -> index of its next use
+    heap: list[tuple[int, tuple[str, int]]] = []  # (-next use, page), stale entries skipped
+    used = fetched = 0
+    for i, (use, pg, is_fresh, cost) in enumerate(pages):
+        if not use:
+            if pg in cache:
+                del cache[pg]
+                used -= cost
             continue
-        cache[b] = nxt[i]
+        if pg not in cache:
+            if not is_fresh:
+                fetched += cost
+            while used + cost > capacity and heap:
+                neg, victim = heapq.heappop(heap)
+                if cache.get(victim) == -neg:
+                    del cache[victim]
+                    used -= min(page, catalog[victim[0]][1] - victim[1] * page)
+            if used + cost > capacity:
+                continue  # larger than the device: streamed, never cached
+            used += cost
+        cache[pg] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], pg))
     return fetched
 
 

@@ -81,6 +81,8 @@ class Timeline:
         self.pos = 0
         self.matched = 0
         self.seen = 0
+        self._hits: dict[str, int] = {}  # recorded uses that came true, per block
+        self._misses: dict[str, int] = {}  # recorded uses skipped (the step went another way)
 
     def observe(self, blocks: Sequence[str], tier: str) -> None:
         for b in blocks:
@@ -91,12 +93,16 @@ class Timeline:
             if self.pos < len(self.recorded) and self.recorded[self.pos][:2] == (b, tier):
                 self.pos += 1
                 self.matched += 1
+                self._hits[b] = self._hits.get(b, 0) + 1
                 continue
             positions = self._index.get((b, tier), [])
             i = bisect.bisect_left(positions, self.pos)
             if i < len(positions) and positions[i] - self.pos <= self.window:
-                self.pos = positions[i] + 1  # skipped what this step did not do
+                for skipped, _, _ in self.recorded[self.pos:positions[i]]:  # this step did not do these
+                    self._misses[skipped] = self._misses.get(skipped, 0) + 1
+                self.pos = positions[i] + 1
                 self.matched += 1
+                self._hits[b] = self._hits.get(b, 0) + 1
         self._groups += 1
 
     def end_step(self) -> tuple[int, int]:
@@ -111,6 +117,12 @@ class Timeline:
         self._current, self._groups, self.pos, self.matched, self.seen = [], 0, 0, 0, 0
         return result
 
+    def reliable(self, block: str) -> bool:
+        """Whether the recording's predictions for ``block`` have mostly come true (a routed
+        expert that is skipped as often as used is not)."""
+        hits, misses = self._hits.get(block, 0), self._misses.get(block, 0)
+        return misses == 0 or hits >= 3 * misses
+
     def next_use(self, block: str, tier: str) -> Optional[int]:
         """Accesses until ``block`` is next used on ``tier`` ("*": anywhere), wrapping into the
         next step; None when the recorded step never uses it there."""
@@ -123,7 +135,8 @@ class Timeline:
         return len(self.recorded) - self.pos + positions[0]
 
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
-        """Accesses of the next ``groups`` recorded acquires from the current position."""
+        """Accesses of the next ``groups`` recorded acquires from the current position, leaving
+        out blocks whose recorded uses have often not come true."""
         out: list[tuple[str, str]] = []
         if not self.recorded or groups <= 0:
             return out
@@ -137,5 +150,6 @@ class Timeline:
                 if seen_groups > groups:
                     break
                 last_group = g
-            out.append((b, t))
+            if self.reliable(b):
+                out.append((b, t))
         return out

@@ -3,8 +3,9 @@
 Next uses come from the recorded step (:class:`~hetero.policies.base.Timeline`), counting into
 the next step, which is where Gemini's warm-up trace stops. Among blocks with the same future the
 clean one goes first (a valid copy below means the eviction writes nothing). Blocks the recording
-does not know are predicted by ``fallback`` (LRU order by default: they are evicted before any
-block with a known future).
+does not know, or whose recorded uses often do not come true (routed experts), are predicted by
+``fallback`` when there is one (``auto``); plain ``opt`` trusts the recording and evicts unknown
+blocks first, least recently used first.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ class Opt(Policy):
     def next_use(self, block_id: str, tier: str) -> float:
         # A block on the host is needed there for any use (the device is fed through the host).
         d = self.timeline.next_use(block_id, tier if tier == DEVICE else "*")
-        if d is not None:
-            return float(d)
-        return self.fallback.predicted(block_id) if self.fallback is not None else math.inf
+        if self.fallback is not None and (d is None or not self.timeline.reliable(block_id)):
+            return self.fallback.predicted(block_id)  # the recording cannot say: ask hotness
+        return math.inf if d is None else float(d)
 
     def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
         return max(candidates, key=lambda b: (self.next_use(b.id, tier), b.clean_below,

@@ -1,0 +1,143 @@
+"""Placement quality: bytes each policy moves onto the device against Belady's bound.
+
+For each bundled model shape (dense GPT, tied embeddings, activation checkpointing, a routed
+mixture of experts) and each device budget (10%, 25%, 50% of the training state, with a host
+budget small enough to force NVMe), one real run records the runtime's event log. Every policy
+is then replayed on that log in the simulator (the same runtime and policy code, no tensors),
+and compared with Belady's clairvoyant minimum for the same accesses. Real runs of each policy
+give stall seconds (copies are synchronous, so stall time is all transfer time).
+
+    python benchmarks/bench_policy.py                # full table, writes benchmarks/policy.png
+    python benchmarks/bench_policy.py --quick        # fewer steps and budgets
+    python benchmarks/bench_policy.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+torch.set_num_threads(1)  # tiny models: one thread is faster and steadier
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import hetero  # noqa: E402
+from hetero.models import GPT, GPTConfig, MarkovData, state_bytes  # noqa: E402
+
+POLICIES = ["auto", "opt", "hotness", "lru", "static"]
+BASE = GPTConfig(vocab_size=128, block_size=32, n_layer=8, n_head=2, n_embd=64)
+MODELS = {
+    "dense": dataclasses.replace(BASE, tied=False),
+    "tied": BASE,
+    "checkpointing": dataclasses.replace(BASE, checkpointing=True),
+    "moe": dataclasses.replace(BASE, n_layer=4, n_expert=4),
+}
+
+
+def run(cfg: GPTConfig, policy: str, device_frac: float, host_frac: float, steps: int, chunk: str,
+        swap_dir: str) -> hetero.Report:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    total = state_bytes(model)
+    wrapped = hetero.wrap(model, device="cpu", device_budget=int(total * device_frac),
+                          host_budget=int(total * host_frac), nvme_path=swap_dir, chunk_size=chunk,
+                          policy=policy)
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    data = MarkovData(cfg.vocab_size, seed=1)
+    for _ in range(steps):
+        x, y = data.batch(8, cfg.block_size)
+        wrapped(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    rep = wrapped.placement_report()
+    wrapped.close()
+    return rep
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.10, 0.25, 0.50])
+    ap.add_argument("--host", type=float, default=0.30, help="host budget, fraction of the state")
+    ap.add_argument("--chunk-size", default="16KiB")
+    ap.add_argument("--quick", action="store_true", help="6 steps, 25%% budget only")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "policy.png"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.budgets = 6, [0.25]
+    results = []
+    cases = [(m, b) for m in MODELS for b in args.budgets]
+    with tempfile.TemporaryDirectory(prefix="hetero-bench-") as swap:
+        for model_name, frac in tqdm(cases, desc="policy benchmark"):
+            cfg = MODELS[model_name]
+            real = {p: run(cfg, p, frac, args.host, args.steps, args.chunk_size, swap) for p in POLICIES}
+            log = real["auto"]  # the recorded access log every policy is replayed on
+            bound = log.belady_bound()
+            for p in POLICIES:
+                sim = log.simulate(p)
+                d = real[p].as_dict()
+                results.append({
+                    "model": model_name, "device_frac": frac, "policy": p, "bound_bytes": bound,
+                    "sim_device_bytes": sim.device_fetch_bytes, "sim_misses": sim.misses,
+                    "ratio": sim.device_fetch_bytes / bound if bound else None,
+                    "real_device_bytes": d["traffic"]["host->device"],
+                    "real_nvme_bytes": d["traffic"]["nvme->host"] + d["traffic"]["host->nvme"],
+                    "stall_seconds": d["stall_seconds"], "prefetch_hits": d["prefetch"]["hits"],
+                    "oom": sim.oom,
+                })
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    plot(results, args.plot)
+    return {"results": results}
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'model':14s} {'device':>6s} {'policy':8s} {'sim MiB':>9s} {'/Belady':>8s} {'misses':>7s} "
+          f"{'real MiB':>9s} {'nvme MiB':>9s} {'stall s':>8s} {'pf hits':>8s}")
+    for r in results:
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "n/a"
+        print(f"{r['model']:14s} {r['device_frac']:6.0%} {r['policy']:8s} {r['sim_device_bytes'] / 2**20:9.2f} "
+              f"{ratio:>8s} {r['sim_misses']:7d} {r['real_device_bytes'] / 2**20:9.2f} "
+              f"{r['real_nvme_bytes'] / 2**20:9.2f} {r['stall_seconds']:8.3f} {r['prefetch_hits']:8d}")
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in results))
+    fracs = list(dict.fromkeys(r["device_frac"] for r in results))
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.5), sharey=True, squeeze=False)
+    width = 0.8 / len(POLICIES)
+    for ax, m in zip(axes[0], models):
+        for k, p in enumerate(POLICIES):
+            ys = [next((r["ratio"] or 1.0) for r in results if r["model"] == m and r["policy"] == p
+                       and r["device_frac"] == f) for f in fracs]
+            ax.bar([i + k * width for i in range(len(fracs))], ys, width, label=p)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(fracs))], [f"{f:.0%}" for f in fracs])
+        ax.set_title(m)
+        ax.set_xlabel("device budget (of state)")
+    axes[0][0].set_ylabel("device bytes / Belady bound")
+    axes[0][-1].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    t = time.time()
+    main()
+    print(f"done in {time.time() - t:.0f}s")
