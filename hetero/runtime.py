@@ -145,7 +145,7 @@ class Runtime:
             seq = len(self.tracker.accesses)
             for block in blocks:
                 self.tracker.access(block.id, block.nbytes, tier, group, write)
-            self.policy.observe([b.id for b in blocks], tier, self.tracker.step, seq)
+            self.policy.observe([b.id for b in blocks], tier, self.tracker.step, seq, write)
             self._prefetch()
 
     def release(self, blocks: Sequence[Block], tier: str = DEVICE) -> None:

@@ -88,6 +88,7 @@ class SimResult:
     prefetch_hits: int
     accesses: int
     oom: Optional[str] = None  # the HeteroOOMError message if the budgets could not serve the run
+    step_traffic: list[dict[str, int]] = dataclasses.field(default_factory=list)
 
     @property
     def device_fetch_bytes(self) -> int:
@@ -133,7 +134,7 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
         oom = str(exc)
     tr = rt.tracker
     return SimResult(dict(tr.traffic), tr.misses, {n: t.peak for n, t in rt.tiers.items()},
-                     tr.prefetch_issued, tr.prefetch_hits, len(tr.accesses), oom)
+                     tr.prefetch_issued, tr.prefetch_hits, len(tr.accesses), oom, tr.step_traffic)
 
 
 def access_log_events(lines: Iterable[Mapping[str, Any]]) -> tuple[list[tuple], dict[str, tuple[str, int]]]:
@@ -184,8 +185,9 @@ def belady_bound(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[st
     equal sizes MIN is optimal, so no whole-block policy can fetch less: with blocks of unequal
     sizes, block-level MIN is not a bound. Pages are the gcd of the block sizes (coarser if the
     log would need more than ``max_pages`` page accesses). A block's first use after its creation
-    (or a discard) is free, as in the runtime, which creates blocks where they are first needed;
-    a write elsewhere (the optimizer updating a block in host memory) kills the device copy.
+    (or a discard, which also frees its memory) is free, as in the runtime, which creates blocks
+    where they are first needed; a write elsewhere (the optimizer updating a block in host
+    memory) kills the device copy.
     """
     ops: list[tuple[bool, str, bool]] = []  # (use?, block, fresh: first use since creation)
     fresh: set[str] = set()
@@ -193,6 +195,8 @@ def belady_bound(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[st
     for op, *args in events:
         if op in ("create", "discard"):
             fresh.add(args[0])
+            if op == "discard":  # its memory is freed everywhere at once
+                ops.append((False, args[0], False))
         elif op == "acquire" and args[1] == DEVICE and args[3]:
             for b in args[0]:
                 ops.append((True, b, b in fresh or b not in seen))

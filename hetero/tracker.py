@@ -71,6 +71,7 @@ class Tracker:
         self.usage: list[tuple[float, str, int]] = []  # (time, tier, bytes used after the change)
         self.stalls: list[tuple[float, float, str]] = []  # (start, end, block) waits for data
         self.traffic = {d: 0 for d in DIRECTIONS}
+        self.step_traffic: list[dict[str, int]] = []  # the same, per step
         self.stats: dict[str, BlockStats] = {}
         self.step = 0
         self.groups = 0
@@ -99,6 +100,9 @@ class Tracker:
              prefetch: bool = False) -> None:
         self.moves.append(Move(block, src, dst, nbytes, start, end, prefetch))
         self.traffic[f"{src}->{dst}"] += nbytes
+        while len(self.step_traffic) <= self.step:
+            self.step_traffic.append({d: 0 for d in DIRECTIONS})
+        self.step_traffic[self.step][f"{src}->{dst}"] += nbytes
 
     def used(self, tier: str, used: int) -> None:
         self.usage.append((self.now(), tier, used))

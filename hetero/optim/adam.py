@@ -145,11 +145,14 @@ class Adam(torch.optim.Optimizer):
                     # On the CPU one fused pass of the C++ kernel: low-precision grad in with the
                     # clip/loss scale folded in, fp32 master/m/v updated, low-precision param out.
                     # Elsewhere the same math as torch ops (hetero.optim.kernel.adam_step_).
+                    # Square roots as torch's default Adam takes them (bit-identical), or with
+                    # fused=True as torch's fused AdamW does (IEEE sqrt: one pass, faster).
                     adam_step_(w_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end],
                                step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                weight_decay=group["weight_decay"], decoupled=self._decoupled,
                                grad_scale=chunk.grad_scale,
-                               param_out=None if p_flat is None else p_flat[start:end])
+                               param_out=None if p_flat is None else p_flat[start:end],
+                               sqrt="ieee" if group.get("fused") else "torch")
                 for s in chunk.slots:
                     if id(s.param) in groups and s.has_grad:
                         s.step += 1

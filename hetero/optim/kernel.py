@@ -9,6 +9,15 @@ the GIL released. Anywhere else (a GPU tier, a non-contiguous view, no extension
 math as torch ops (:func:`adam_update_`). Both are torch's single-tensor Adam op for op, so either
 equals ``torch.optim.Adam`` / ``AdamW`` (CPU, default options) bit for bit.
 
+The square root: torch built with MKL (the x86 wheels) computes ``Tensor.sqrt`` with MKL's vmsSqrt,
+which is not correctly rounded (~17% of results 1 ulp off on an AMD EPYC). Adam amplifies such
+differences wherever a gradient is rounding noise, so ``sqrt="torch"`` (the default) takes the
+square roots from that same function, a block at a time, to stay bit-identical to torch. That costs
+a second pass over L1-resident blocks and MKL's slower sqrt; ``sqrt="ieee"`` uses the hardware
+instruction in one pass instead, which is what torch's ``fused=True`` CPU AdamW does (results equal
+it to float32 rounding). :class:`hetero.optim.Adam` picks ``"ieee"`` for param groups with
+``fused=True``. The torch path ignores ``sqrt`` (it is torch's sqrt by definition).
+
 Code path of the C++ kernel: the ``isa`` argument, else the environment variable
 ``HETERO_ADAM_ISA`` (``avx512``, ``avx2`` or ``scalar``; read at every call), else the best the CPU
 supports; asking for one the CPU lacks raises ValueError. ``threads`` defaults to
@@ -45,6 +54,17 @@ def available_isas() -> list[str]:
     A subset of ``["avx512", "avx2", "scalar"]``; ``"scalar"`` is always there when the kernel is.
     """
     return list(_ext.adam_isas()) if _ext is not None else []
+
+
+def torch_numerics() -> dict:
+    """How torch's own CPU kernels round in this process, which the C++ kernel mirrors (measured
+    once against torch): ``{"sqrt": "mkl" | "ieee", "fma": bool}`` -- the square root
+    ``sqrt="torch"`` computes (MKL's vmsSqrt, as torch's ``Tensor.sqrt``, or the IEEE
+    instruction) and whether torch's add/lerp/addcmul fuse their multiply-adds (its AVX2 and
+    AVX-512 kernels do, its DEFAULT-capability ones do not)."""
+    if _ext is None:
+        raise RuntimeError("the C++ Adam kernel is not built; run `pip install --no-build-isolation -e .`")
+    return dict(_ext.adam_torch_numerics())
 
 
 def selected_isa(isa: Optional[str] = None) -> str:
@@ -90,7 +110,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, decoupled: bool, grad_scale: Scale = None,
                param_out: Optional[torch.Tensor] = None, isa: Optional[str] = None,
-               threads: Optional[int] = None) -> None:
+               threads: Optional[int] = None, sqrt: str = "torch") -> None:
     """One Adam (``decoupled=False``, L2 weight decay) or AdamW update of flat tensors in place.
 
     ``param`` (fp32 master or plain param), ``exp_avg`` and ``exp_avg_sq`` are updated; ``grad``
@@ -102,8 +122,12 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     ``torch.optim.Adam/AdamW`` step, ``param_out.copy_(param)``.
 
     Uses the C++ kernel for contiguous CPU tensors when it is built; ``isa`` / ``threads`` pick its
-    code path and thread count. Asking for an ``isa`` when the kernel cannot run raises.
+    code path and thread count, ``sqrt`` its square root (``"torch"``: bit-identical to torch's
+    default Adam; ``"ieee"``: faster, as torch's fused CPU AdamW). Asking for an ``isa`` when the
+    kernel cannot run raises.
     """
+    if sqrt not in ("torch", "ieee"):
+        raise ValueError(f"sqrt={sqrt!r} is not accepted; expected 'torch' or 'ieee'")
     if step < 1:
         raise ValueError(f"step={step} is not accepted; expected the step count after this update (>= 1)")
     tensors = [param, grad, exp_avg, exp_avg_sq]
@@ -113,7 +137,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                        beta1=float(beta1), beta2=float(beta2), eps=float(eps),
                        weight_decay=float(weight_decay), decoupled=bool(decoupled),
                        grad_scale=scale, isa=isa or "",
-                       threads=torch.get_num_threads() if threads is None else int(threads))
+                       threads=torch.get_num_threads() if threads is None else int(threads), sqrt=sqrt)
         return
     if isa is not None:
         why = ("the C++ kernel is not built" if _ext is None

@@ -36,8 +36,10 @@ class Policy:
 
     name = "base"
 
-    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int) -> None:
-        """Compute acquired ``blocks`` on ``tier``; ``seq`` is the access number of the first."""
+    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
+                write: bool = False) -> None:
+        """Compute acquired ``blocks`` on ``tier`` (to change them, if ``write``); ``seq`` is the
+        access number of the first."""
 
     def end_step(self, step: int) -> None:
         """Training step ``step`` is complete."""
@@ -75,17 +77,22 @@ class Timeline:
     def __init__(self, window: int = 256) -> None:
         self.window = window
         self.recorded: list[tuple[str, str, int]] = []  # (block, tier, acquire index in step)
+        self._writes: set[int] = set()  # positions in ``recorded`` that were writes
         self._index: dict[tuple[str, str], list[int]] = {}  # (block, tier or "*") -> positions
         self._current: list[tuple[str, str, int]] = []
+        self._current_writes: set[int] = set()
         self._groups = 0
         self.pos = 0
         self.matched = 0
         self.seen = 0
+        self.streak = 0  # accesses in a row that matched the recording exactly
         self._hits: dict[str, int] = {}  # recorded uses that came true, per block
         self._misses: dict[str, int] = {}  # recorded uses skipped (the step went another way)
 
-    def observe(self, blocks: Sequence[str], tier: str) -> None:
+    def observe(self, blocks: Sequence[str], tier: str, write: bool = False) -> None:
         for b in blocks:
+            if write:
+                self._current_writes.add(len(self._current))
             self._current.append((b, tier, self._groups))
             self.seen += 1
             if not self.recorded:
@@ -93,8 +100,10 @@ class Timeline:
             if self.pos < len(self.recorded) and self.recorded[self.pos][:2] == (b, tier):
                 self.pos += 1
                 self.matched += 1
+                self.streak += 1
                 self._hits[b] = self._hits.get(b, 0) + 1
                 continue
+            self.streak = 0
             positions = self._index.get((b, tier), [])
             i = bisect.bisect_left(positions, self.pos)
             if i < len(positions) and positions[i] - self.pos <= self.window:
@@ -109,12 +118,13 @@ class Timeline:
         """Adopt the step just seen as the recording; returns (matched, seen) of that step."""
         result = (self.matched, self.seen)
         if self._current:
-            self.recorded = self._current
+            self.recorded, self._writes = self._current, self._current_writes
             self._index = {}
             for i, (b, t, _) in enumerate(self.recorded):
                 self._index.setdefault((b, t), []).append(i)
                 self._index.setdefault((b, "*"), []).append(i)
-        self._current, self._groups, self.pos, self.matched, self.seen = [], 0, 0, 0, 0
+        self._current, self._current_writes = [], set()
+        self._groups, self.pos, self.matched, self.seen = 0, 0, 0, 0
         return result
 
     def reliable(self, block: str) -> bool:
@@ -125,20 +135,33 @@ class Timeline:
 
     def next_use(self, block: str, tier: str) -> Optional[int]:
         """Accesses until ``block`` is next used on ``tier`` ("*": anywhere), wrapping into the
-        next step; None when the recorded step never uses it there."""
-        positions = self._index.get((block, tier))
+        next step; None when the recorded step never uses it there. A copy on ``tier`` that a
+        write on another tier will replace first is never used again: infinity."""
+        positions = self._index.get((block, "*"))
         if not positions:
             return None
+        n = len(self.recorded)
         i = bisect.bisect_left(positions, self.pos)
-        if i < len(positions):
-            return positions[i] - self.pos
-        return len(self.recorded) - self.pos + positions[0]
+        for k in range(len(positions)):
+            p = positions[(i + k) % len(positions)]
+            distance = p - self.pos if p >= self.pos else n - self.pos + p
+            t = self.recorded[p][1]
+            if tier == "*" or t == tier:
+                return distance
+            if p in self._writes:
+                return math.inf  # rewritten elsewhere before this copy is used again
+        return None
+
+    #: exact matches in a row needed before prefetching from the recording again
+    LOCK = 8
 
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
         """Accesses of the next ``groups`` recorded acquires from the current position, leaving
-        out blocks whose recorded uses have often not come true."""
+        out blocks whose recorded uses have often not come true. Empty while the step is not
+        following the recording (prefetching on a wrong guess evicts what is needed): it
+        resumes after ``LOCK`` accesses in a row match again."""
         out: list[tuple[str, str]] = []
-        if not self.recorded or groups <= 0:
+        if not self.recorded or groups <= 0 or self.streak < self.LOCK:
             return out
         n = len(self.recorded)
         last_group = None

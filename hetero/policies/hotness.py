@@ -21,7 +21,8 @@ class Hotness(Policy):
         self._reuse: dict[str, float] = {}
         self.now = 0
 
-    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int) -> None:
+    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
+                write: bool = False) -> None:
         for i, b in enumerate(blocks):
             s = seq + i
             if b in self._last:

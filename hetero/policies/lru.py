@@ -15,7 +15,8 @@ class LRU(Policy):
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
 
-    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int) -> None:
+    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
+                write: bool = False) -> None:
         for i, b in enumerate(blocks):
             self._last[b] = seq + i
 

@@ -26,10 +26,11 @@ class Opt(Policy):
         self._last: dict[str, int] = {}
         self.follow: list[tuple[int, int]] = []  # (matched, seen) accesses per completed step
 
-    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int) -> None:
-        self.timeline.observe(blocks, tier)
+    def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
+                write: bool = False) -> None:
+        self.timeline.observe(blocks, tier, write)
         if self.fallback is not None:
-            self.fallback.observe(blocks, tier, step, seq)
+            self.fallback.observe(blocks, tier, step, seq, write)
         for i, b in enumerate(blocks):
             self._last[b] = seq + i
 
