@@ -42,6 +42,8 @@ def test_timeline_next_use_wraps_into_the_next_step() -> None:
     assert t.next_use("a", "device") == 1  # its second use in this step
     assert t.next_use("b", "device") == 3  # wraps: 4 - 2 + 1
     assert t.next_use("z", "device") is None
+    assert t.upcoming(2) == []  # two matches in a row are not enough to trust the recording
+    t.LOCK = 2
     assert t.upcoming(2) == [("c", "device"), ("a", "device")]
 
 
@@ -55,7 +57,11 @@ def test_timeline_resynchronizes_after_a_skipped_branch() -> None:
     assert t.pos == 4 and t.next_use("e", "device") == 0
     t.observe(["x"], "device")  # never seen before: position unchanged
     assert t.pos == 4
-    assert t.end_step() == (2, 3)  # a and d matched the recording, x did not
+    t.LOCK = 1
+    assert t.upcoming(1) == []  # diverging: no prefetch on a guess ...
+    t.observe(["e"], "device")
+    assert t.upcoming(1) == [("f", "device")]  # ... until the step follows the recording again
+    assert t.end_step() == (3, 4)  # a, d and e matched the recording, x did not
 
 
 def test_opt_is_belady_with_wrap_around() -> None:
