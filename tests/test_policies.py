@@ -103,7 +103,11 @@ def test_auto_uses_hotness_for_blocks_the_recording_does_not_know() -> None:
     feed(auto, "qq", step=1)  # q: new this step, reused every access
     # x and y are known (next step); q is predicted by hotness to come back at once
     assert auto.next_use("q", "device") < auto.next_use("y", "device")
-    assert auto.upcoming(1) == [("x", "device")]
+    auto.timeline.LOCK = 3  # a, b, c matched in a row; q broke the streak
+    assert auto.upcoming(1) == []
+    feed(auto, "x", step=1)
+    auto.timeline.LOCK = 1
+    assert auto.upcoming(1) == [("y", "device")]
 
 
 def test_static_homes_are_fixed_by_kind() -> None:
