@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from .errors import HeteroOOMError
 from .policies import Policy, make_policy
 from .runtime import Runtime
-from .tiers import DEVICE, HOST, NVME, SlotPool, slots_for
+from .tiers import DEVICE, HOST, NVME, SlotPool
 
 
 class SimBlock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -27,6 +27,9 @@ from .policies import make_policy
 from .runtime import Runtime, expected_block_bytes
 from .tiers import DEVICE, slot_size_for, slots_for
 from .units import Call, Unit, default_auto_wrap_policy, register_hooks, select_units, unit_blocks, unit_params
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .profiler import Report
 
 log = logging.getLogger(__name__)
 
