@@ -23,7 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ class Budgets:
     state: int  # Adam training-state bytes of the model
     device: int
     host: int
-    nvme: Optional[int]  # None: no NVMe tier
+    nvme: int | None  # None: no NVMe tier
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -101,7 +102,7 @@ class RunResult:
         return d
 
 
-def resolve_device(device: Optional[str]) -> torch.device:
+def resolve_device(device: str | None) -> torch.device:
     if device:
         return torch.device(device)
     if torch.cuda.is_available():
@@ -118,7 +119,7 @@ def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool
 
 
 @contextlib.contextmanager
-def nvme_dir(path: Optional[str], disabled: bool) -> Iterator[Optional[str]]:
+def nvme_dir(path: str | None, disabled: bool) -> Iterator[str | None]:
     """The swap directory: the given one, else a temporary one removed afterwards."""
     if disabled:
         yield None
@@ -130,11 +131,16 @@ def nvme_dir(path: Optional[str], disabled: bool) -> Iterator[Optional[str]]:
 
 
 def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_size: int = DEFAULT_BATCH,
-        lr: float = 1e-3, device: Optional[str] = None, device_budget: Any = None,
-        host_budget: Any = None, nvme_path: Optional[str] = None, no_nvme: bool = False,
+        lr: float = 1e-3, device: str | None = None, device_budget: Any = None,
+        host_budget: Any = None, nvme_path: str | None = None, no_nvme: bool = False,
         chunk_size: str = DEFAULT_CHUNK, policy: str = "auto", seed: int = 0,
-        progress: bool = True, desc: str = "hetero train") -> RunResult:
-    """Train the bundled GPT preset ``model_name`` with hetero for ``steps`` steps."""
+        progress: bool = True, desc: str = "hetero train",
+        on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> RunResult:
+    """Train the bundled GPT preset ``model_name`` with hetero for ``steps`` steps.
+
+    ``on_step(x, y)`` is called after each step with its batch (the benchmark trains an eager
+    copy of the model in lockstep with it, so both see the same batches and the same machine load).
+    """
     import hetero
 
     cfg = models.get_config(model_name)
@@ -154,7 +160,7 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
         try:
             opt = hetero.optim.AdamW(wrapped.parameters(), lr=lr)
             losses, times = train_loop(wrapped, opt, data, cfg.block_size, steps, batch_size, dev,
-                                       progress=progress, desc=desc)
+                                       progress=progress, desc=desc, on_step=on_step)
             report = wrapped.placement_report()
         finally:
             wrapped.close()
@@ -165,9 +171,11 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
 
 def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, data: models.MarkovData,
                seq_len: int, steps: int, batch_size: int, device: torch.device, *,
-               progress: bool = True, desc: str = "train") -> tuple[list[float], list[float]]:
+               progress: bool = True, desc: str = "train",
+               on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+               ) -> tuple[list[float], list[float]]:
     """``steps`` training steps on fresh batches; returns the loss and the seconds of each step
-    (forward, backward, optimizer step and zero_grad; data generation excluded)."""
+    (forward, backward, optimizer step and zero_grad; data generation and ``on_step`` excluded)."""
     from tqdm import tqdm
 
     losses: list[float] = []
@@ -184,6 +192,8 @@ def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, data: models.
         times.append(time.perf_counter() - t0)
         losses.append(value)
         bar.set_postfix_str(f"loss {value:.3f}, {times[-1]:.2f} s/step")
+        if on_step is not None:
+            on_step(x, y)
     bar.close()
     return losses, times
 
@@ -210,21 +220,27 @@ def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--chunk-size", default=DEFAULT_CHUNK, help=f"chunk size (default {DEFAULT_CHUNK})")
     p.add_argument("--policy", default="auto", help="placement policy: auto, opt, hotness, lru, static")
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _run_from_args(args: argparse.Namespace, desc: str) -> RunResult:
+def _run_from_args(args: argparse.Namespace, desc: str,
+                   on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> RunResult:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     return run(args.model, args.steps, batch_size=args.batch_size, lr=args.lr, device=args.device,
                device_budget=args.device_budget, host_budget=args.host_budget,
                nvme_path=args.nvme_path, no_nvme=args.no_nvme, chunk_size=args.chunk_size,
-               policy=args.policy, seed=args.seed, progress=not args.no_progress, desc=desc)
+               policy=args.policy, seed=args.seed, progress=not args.no_progress, desc=desc,
+               on_step=on_step)
 
 
 def _print_summary(res: RunResult) -> None:
     b = res.budgets
     print(res.report)
     print(f"model: {res.model} GPT, {res.params / 1e6:.2f}M parameters, "
-          f"{res.config['n_layer']} blocks, on {res.device}")
+          f"{res.config['n_layer']} blocks, on {res.device} ({torch.get_num_threads()} CPU threads)")
     print(b.describe())
     print(f"state / device budget = {b.state / b.device:.1f}x")
     if res.losses:
@@ -286,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG

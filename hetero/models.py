@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +127,7 @@ class GPT(nn.Module):
         """Unique parameters (the tied embedding counted once)."""
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}")
