@@ -6,8 +6,21 @@ never built. The extension is a CUDAExtension when torch has CUDA and a toolkit 
 ``csrc/*.cu`` files are compiled once they exist), otherwise a CppExtension over ``csrc/*.cpp``.
 The ``-std`` flag is left to BuildExtension, which adds the one the installed torch's headers
 need (c++17 on older torch, c++20 on current torch); our own sources are plain C++17.
+
+``-ffp-contract=off`` keeps the compiler from fusing a multiply and an add into an fma on its own
+(GCC does so by default, intrinsics included): the CPU Adam kernel (``csrc/cpu_adam.cpp``) rounds
+each operation exactly where torch does, to be bit-identical to ``torch.optim.Adam``. Its SIMD code
+paths are selected at run time and compiled with per-function ``target`` attributes, so no
+``-march``/``-mavx*`` flag is needed and the extension builds and runs on any x86-64 CPU (other
+architectures get its portable path).
+
+``-fopenmp`` (Linux, when torch's parallel backend is OpenMP): the kernel runs on torch's own
+thread pool through ``at::parallel_for``, whose OpenMP implementation is inline in torch's headers
+and silently runs serially in code compiled without it. The extension then needs ``libgomp.so.1``,
+the OpenMP runtime torch itself loads, so the process keeps a single runtime.
 """
 
+import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +28,11 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = Path(__file__).resolve().parent
+CXX_FLAGS = ["-O3", "-ffp-contract=off"]
+LINK_FLAGS: list[str] = []
+if sys.platform.startswith("linux") and "parallel backend: OpenMP" in torch.__config__.parallel_info():
+    CXX_FLAGS.append("-fopenmp")
+    LINK_FLAGS.append("-fopenmp")
 USE_CUDA = (torch.cuda.is_available() or torch.version.cuda is not None) and (
     cpp_extension.CUDA_HOME is not None
 )
@@ -26,9 +44,12 @@ SOURCES = sorted(
 
 if USE_CUDA:
     ext = cpp_extension.CUDAExtension(
-        "hetero._C", SOURCES, extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]}
+        "hetero._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3"]},
+        extra_link_args=LINK_FLAGS,
     )
 else:
-    ext = cpp_extension.CppExtension("hetero._C", SOURCES, extra_compile_args={"cxx": ["-O3"]})
+    ext = cpp_extension.CppExtension(
+        "hetero._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS
+    )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": cpp_extension.BuildExtension})

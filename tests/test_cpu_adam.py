@@ -141,17 +141,23 @@ def test_all_code_paths_agree_on_large_input() -> None:
 
 
 def test_thread_counts_give_identical_results() -> None:
-    n = 3 * (1 << 15) + 77  # enough for 3 threads to split, with a ragged last part
+    n = 5 * (1 << 16) + 77  # pieces for 3 threads to share, with a ragged last one
     p0, grads, lrs = problem(n, seed=3)
     hp = HYPER["big_eps_low_betas"]
     gb = [g.bfloat16() for g in grads]
     runs = []
-    for threads in (1, 2, 3):
+    before = torch.get_num_threads()
+    # 1: inline; 2, 3: threads of the kernel's own; None with torch at 2 threads: torch's pool
+    for threads, torch_threads in ((1, before), (2, before), (3, before), (None, 2)):
         p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
         out = torch.empty(n, dtype=torch.bfloat16)
-        for step, (g, lr) in enumerate(zip(gb, lrs), 1):
-            K.adam_step_(p, g, m, v, **kw_of(hp, step, lr, False), grad_scale=0.5, param_out=out,
-                         threads=threads)
+        torch.set_num_threads(torch_threads)
+        try:
+            for step, (g, lr) in enumerate(zip(gb, lrs), 1):
+                K.adam_step_(p, g, m, v, **kw_of(hp, step, lr, False), grad_scale=0.5, param_out=out,
+                             threads=threads)
+        finally:
+            torch.set_num_threads(before)
         runs.append((p, m, v, out))
     for other in runs[1:]:
         for a, b in zip(other, runs[0]):
@@ -271,6 +277,11 @@ def test_low_precision_grads_are_read_exactly(isa: str, grad_dtype: torch.dtype)
 # ------------------------------------------------------------------------ selection and errors
 
 
+def test_torch_numerics_are_reported() -> None:
+    tn = K.torch_numerics()
+    assert tn["sqrt"] in ("mkl", "ieee") and isinstance(tn["fma"], bool)
+
+
 def test_code_path_selection(monkeypatch) -> None:
     isas = K.available_isas()
     assert isas[-1] == "scalar" and set(isas) <= set(ISAS)
@@ -329,3 +340,46 @@ def test_stream_probe_moves_and_counts_bytes() -> None:
     assert moved == n * 4 * (1 + 2 * 3)
     assert torch.equal(p, torch.full((n,), 3.0)) and torch.equal(v, torch.full((n,), 5.0))
     assert torch.equal(g, torch.full((n,), 1.0))
+    for k, isa in enumerate(K.available_isas()):
+        assert K.stream_update_([g, m], [p, v], scale=0.0, isa=isa, threads=1) == n * 4 * 6  # no change
+        assert torch.equal(p, torch.full((n,), 3.0 + 0.5 * k)) and torch.equal(v, torch.full((n,), 5.0))
+        K.stream_update_([g], [p], scale=0.5, isa=isa)
+
+
+# ------------------------------------------------------------------------ through hetero.optim
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "fused"])
+def test_hetero_optim_steps_host_chunks_with_the_kernel(fused: bool, monkeypatch) -> None:
+    """hetero.optim.AdamW on a CPU tier steps through the kernel: bit-identical to torch's default
+    AdamW, and with fused=True (IEEE sqrt) equal to torch's fused AdamW to float32 rounding."""
+    import copy
+
+    import hetero
+
+    sqrt_modes: list[str] = []
+    real = K._ext.adam_step
+
+    def spy(*args, **kwargs):
+        sqrt_modes.append(kwargs["sqrt"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K._ext, "adam_step", spy)
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="4KiB")
+    hp = dict(lr=1e-2, weight_decay=0.1, fused=fused)
+    opts = (torch.optim.AdamW(eager.parameters(), **hp), hetero.optim.AdamW(wrapped.parameters(), **hp))
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip((eager, wrapped), opts):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert sqrt_modes and set(sqrt_modes) == {"ieee" if fused else "torch"}
+    want, got = eager.state_dict(), wrapped.state_dict()
+    for k in want:
+        if fused:
+            torch.testing.assert_close(got[k], want[k])
+        else:
+            assert torch.equal(got[k], want[k]), k

@@ -152,13 +152,15 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         param_out.copy_(param)
 
 
-def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *,
+def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *, scale: float = 1.0,
                    isa: Optional[str] = None, threads: Optional[int] = None) -> int:
-    """Memory-bandwidth probe of the C++ extension: ``u += sum(read)`` for each ``u`` in ``update``
-    (contiguous fp32 CPU tensors of one numel). With ``read=[g]``, ``update=[p, m, v]`` it moves
-    the bytes of an fp32 Adam step and nothing else; returns the bytes moved
+    """Memory-bandwidth probe of the C++ extension: ``u += scale * sum(read)`` for each ``u`` in
+    ``update`` (contiguous fp32 CPU tensors of one numel), on the same code paths and threads as
+    the Adam kernel. With ``read=[g]``, ``update=[p, m, v]`` it moves the bytes of an fp32 Adam
+    step and nothing else; ``scale=0`` leaves finite data unchanged (every line is still written
+    back), so it can run over live optimizer state. Returns the bytes moved
     (``numel * 4 * (len(read) + 2 * len(update))``)."""
     if _ext is None:
         raise RuntimeError("the C++ streaming kernel is not built; run `pip install --no-build-isolation -e .`")
-    return int(_ext.stream_update(read, update, isa=isa or "",
+    return int(_ext.stream_update(read, update, scale=float(scale), isa=isa or "",
                                   threads=torch.get_num_threads() if threads is None else int(threads)))
