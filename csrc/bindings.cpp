@@ -93,7 +93,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Code paths of the CPU Adam kernel this CPU runs, best first.");
   m.def(
       "adam_isa",
-      [](const std::string& isa) { return std::string(hetero::isa_name(hetero::resolve_isa(isa))); },
+      [](const std::string& isa) {
+        return std::string(hetero::isa_name(hetero::resolve_isa(isa)));
+      },
       py::arg("isa") = "", "The code path a call with this isa argument would take.");
   m.def("stream_update", &hetero::stream_update, py::arg("read"), py::arg("update"),
         py::arg("scale") = 1.0, py::arg("isa") = "", py::arg("threads") = 0,

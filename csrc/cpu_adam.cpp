@@ -181,16 +181,16 @@ HETERO_INLINE uint16_t f32_to_f16(float f) {
 //
 // torch's Tensor.sqrt is not always IEEE sqrt: a torch built with MKL (the x86 wheels) computes
 // float sqrt with MKL's vmsSqrt in its "high accuracy" mode, which is faithful but not correctly
-// rounded (on this project's AMD machine ~18% of results are 1 ulp off). Adam amplifies such
-// differences wherever a gradient is pure rounding noise (m / sqrt(v) normalises it to +-1), so
-// to equal torch.optim.Adam after several steps the kernel takes its square roots from the same
-// function, a block at a time from L1 (the symbol is resolved weakly from libtorch_cpu, which
-// this extension links). Which function torch uses is checked once against at::sqrt. With
+// rounded (on this project's AMD EPYC, 17% of all floats in [1, 4) get a result 1 ulp off). Adam
+// amplifies such differences wherever a gradient is pure rounding noise (m / sqrt(v) normalises it
+// to +-1), so to equal torch.optim.Adam after several steps the kernel takes its square roots from
+// the same function, a block at a time from L1 (the symbol is resolved weakly from libtorch_cpu,
+// which this extension links). Which function torch uses is checked once against at::sqrt. With
 // sqrt="ieee" the kernel uses the hardware instruction inline instead (one pass, faster; then it
-// equals torch's fused=True CPU AdamW, which does the same).
+// equals torch's fused=True CPU AdamW, which does the same, to float32 rounding).
 
 using BlockSqrt = void (*)(int n, const float* in, float* out);
-constexpr int64_t kSqrtBlock = 1024;  // elements per vmsSqrt call: 4 KiB per stream, L1-resident
+constexpr int64_t kSqrtBlock = 1024;  // elements per block: 4 KiB per fp32 stream, L1-resident
 
 // torch's mode for MKL VML calls (ATen/cpu/vml.h): VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 constexpr long long kTorchVmlMode = 0x2 | 0x140000 | 0x100;
@@ -198,8 +198,8 @@ constexpr long long kTorchVmlMode = 0x2 | 0x140000 | 0x100;
 void mkl_block_sqrt(int n, const float* in, float* out) { vmsSqrt(n, in, out, kTorchVmlMode); }
 
 // Keeps MKL sequential on this thread while alive (restoring the previous setting after): the
-// kernel's threads are its parallelism. Without it, MKL called from a fresh std::thread may start
-// an OpenMP team of its own per call -- on a 2-core machine that made a step ~100x slower.
+// kernel's threads are its parallelism. Without it, MKL called from a thread of the kernel's own
+// may start an OpenMP team per call (measured on the 2-core machine: a step ~100x slower).
 class MklSequential {
  public:
   explicit MklSequential(bool active)
@@ -230,10 +230,13 @@ const TorchNumerics& torch_numerics() {
   static const TorchNumerics tn = [] {
     constexpr int n = 4096 + 7;  // vector body and scalar tail of torch's loops alike
     std::vector<float> a(n), b(n), c(n);
+    const auto mantissa = [n](int64_t i, int64_t prime) {  // a scrambled spread over [1, 2)
+      return 1.0f + static_cast<float>((i * prime) % n) / n;
+    };
     for (int i = 0; i < n; ++i) {
-      a[i] = std::ldexp(1.0f + static_cast<float>((i * 7919) % n) / n, i % 61 - 30);
-      b[i] = std::ldexp(1.0f + static_cast<float>((i * 104729) % n) / n, i % 13 - 6) * (i % 3 ? 1 : -1);
-      c[i] = std::ldexp(1.0f + static_cast<float>((i * 15485863) % n) / n, i % 17 - 8);
+      a[i] = std::ldexp(mantissa(i, 7919), i % 61 - 30);
+      b[i] = std::ldexp(mantissa(i, 104729), i % 13 - 6) * (i % 3 ? 1.0f : -1.0f);
+      c[i] = std::ldexp(mantissa(i, 15485863), i % 17 - 8);
     }
     const auto T = [n](std::vector<float>& v) { return at::from_blob(v.data(), {n}, at::kFloat); };
     const float w = 0.1f, alpha = 0.05f, value = 1e-3f;
@@ -328,9 +331,9 @@ HETERO_INLINE void store_out(void* out, int64_t i, float p) {
 // Software prefetch: one cache line of each fp32 stream (and the matching part of the grad) a
 // distance ahead, issued once per 16 elements. The one-pass loops prefetch kPrefetchAhead ahead:
 // the hardware prefetchers alone leave the division/sqrt-heavy loop short of the bandwidth a plain
-// streaming loop reaches. The block-wise (MKL sqrt) loops prefetch the next block while reading
-// the current one, so it streams in while the core computes the square roots. Prefetching past the
-// end of a buffer is harmless (a prefetch never faults).
+// streaming loop reaches. The block-wise (MKL sqrt) loops prefetch the next block between the
+// square-root calls of the current one (block_sqrt_prefetching). Prefetching past the end of a
+// buffer is harmless (a prefetch never faults).
 constexpr int64_t kPrefetchAhead = 1024;  // 4 KiB per fp32 stream
 
 template <Grad G>
@@ -345,10 +348,28 @@ HETERO_INLINE void prefetch_line(const Ptrs& t, int64_t i) {
   }
 }
 
+// The square roots of block [b, e) for the block-wise (MKL sqrt) paths, taken in kSqrtSub-element
+// calls, each preceded by prefetches of the matching part of the next block: memory streams the
+// next block in while MKL computes, instead of idling through the whole call.
+constexpr int64_t kSqrtSub = 256;
+
+template <Grad G>
+HETERO_INLINE void block_sqrt_prefetching(const Consts& c, const Ptrs& t, int64_t b, int64_t e,
+                                          int64_t end, float* sq) {
+  for (int64_t j = b; j < e; j += kSqrtSub) {
+    const int64_t je = std::min(e, j + kSqrtSub);
+    const int64_t ahead_end = std::min(end, je + kSqrtBlock);
+    for (int64_t i = j + kSqrtBlock; i < ahead_end; i += 16) prefetch_line<G>(t, i);
+    c.block_sqrt(static_cast<int>(je - j), t.v + j, sq + (j - b));
+  }
+}
+
 // The update of one element in two halves, the reference every SIMD path reproduces lane by lane:
 // moments1 (gradient scale, weight decay, m and v) and param1 (the step, given sqrt(v)). Between
 // them the caller takes the square root: inline (IEEE) or over a block (torch's MKL sqrt).
-HETERO_INLINE float madd1(bool fused, float a, float b, float c) { return fused ? std::fma(a, b, c) : a * b + c; }
+HETERO_INLINE float madd1(bool fused, float a, float b, float c) {
+  return fused ? std::fma(a, b, c) : a * b + c;
+}
 
 HETERO_INLINE void moments1(const Consts& c, float& p, float g, float& m, float& v) {
   if (c.scaled) g = g * c.scale;
@@ -383,11 +404,8 @@ void adam_scalar(const Consts& c_in, const Ptrs& t_in, int64_t begin, int64_t en
   alignas(64) float sq[kSqrtBlock];
   for (int64_t b = begin; b < end; b += kSqrtBlock) {
     const int64_t e = std::min(end, b + kSqrtBlock);
-    for (int64_t i = b; i < e; ++i) {
-      if ((i - b) % 16 == 0) prefetch_line<G>(t, i + kSqrtBlock);
-      moments1(c, t.p[i], load_grad<G>(t.g, i), t.m[i], t.v[i]);
-    }
-    c.block_sqrt(static_cast<int>(e - b), t.v + b, sq);
+    for (int64_t i = b; i < e; ++i) moments1(c, t.p[i], load_grad<G>(t.g, i), t.m[i], t.v[i]);
+    block_sqrt_prefetching<G>(c, t, b, e, end, sq);
     for (int64_t i = b; i < e; ++i) {
       t.p[i] = param1(c, t.p[i], t.m[i], sq[i - b]);
       store_out<O>(t.out, i, t.p[i]);
@@ -455,8 +473,8 @@ HETERO_TARGET_AVX2 HETERO_INLINE __m256 madd8(bool fused, __m256 a, __m256 b, __
   return fused ? _mm256_fmadd_ps(a, b, c) : _mm256_add_ps(_mm256_mul_ps(a, b), c);
 }
 
-HETERO_TARGET_AVX2 HETERO_INLINE void moments8(const Consts& c, const Consts8& k, __m256& p, __m256 g,
-                                        __m256& m, __m256& v) {
+HETERO_TARGET_AVX2 HETERO_INLINE void moments8(const Consts& c, const Consts8& k, __m256& p,
+                                               __m256 g, __m256& m, __m256& v) {
   if (c.scaled) g = _mm256_mul_ps(g, k.scale);
   if (c.decay) p = _mm256_mul_ps(p, k.keep);
   if (c.l2) g = madd8(c.fma_add, p, k.wd, g);
@@ -465,7 +483,8 @@ HETERO_TARGET_AVX2 HETERO_INLINE void moments8(const Consts& c, const Consts8& k
   v = madd8(c.fma_addcmul, _mm256_mul_ps(k.omb2, g), g, _mm256_mul_ps(v, k.b2));
 }
 
-HETERO_TARGET_AVX2 HETERO_INLINE __m256 param8(const Consts8& k, __m256 p, __m256 m, __m256 sqrt_v) {
+HETERO_TARGET_AVX2 HETERO_INLINE __m256 param8(const Consts8& k, __m256 p, __m256 m,
+                                               __m256 sqrt_v) {
   const __m256 den = _mm256_add_ps(_mm256_div_ps(sqrt_v, k.bc2s), k.eps);
   return _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(k.neg_ss, m), den));
 }
@@ -484,7 +503,8 @@ HETERO_TARGET_AVX2 HETERO_INLINE void one_pass8(const Consts& c, const Consts8& 
 }
 
 template <Grad G, Out O>
-HETERO_TARGET_AVX2 void adam_avx2(const Consts& c_in, const Ptrs& t_in, int64_t begin, int64_t end) {
+HETERO_TARGET_AVX2 void adam_avx2(const Consts& c_in, const Ptrs& t_in, int64_t begin,
+                                  int64_t end) {
   const Consts c = c_in;
   const Ptrs t = t_in;
   const Consts8 k = broadcast8(c);
@@ -505,7 +525,6 @@ HETERO_TARGET_AVX2 void adam_avx2(const Consts& c_in, const Ptrs& t_in, int64_t 
     const int64_t e = std::min(end, b + kSqrtBlock);
     int64_t i = b;
     for (; i + 8 <= e; i += 8) {
-      if ((i - b) % 16 == 0) prefetch_line<G>(t, i + kSqrtBlock);
       __m256 p = _mm256_loadu_ps(t.p + i), m = _mm256_loadu_ps(t.m + i),
              v = _mm256_loadu_ps(t.v + i);
       moments8(c, k, p, load_grad8<G>(t.g, i), m, v);
@@ -514,7 +533,7 @@ HETERO_TARGET_AVX2 void adam_avx2(const Consts& c_in, const Ptrs& t_in, int64_t 
       _mm256_storeu_ps(t.v + i, v);
     }
     for (; i < e; ++i) moments1(c, t.p[i], load_grad<G>(t.g, i), t.m[i], t.v[i]);
-    c.block_sqrt(static_cast<int>(e - b), t.v + b, sq);
+    block_sqrt_prefetching<G>(c, t, b, e, end, sq);
     for (i = b; i + 8 <= e; i += 8) {
       const __m256 p = param8(k, _mm256_loadu_ps(t.p + i), _mm256_loadu_ps(t.m + i),
                               _mm256_load_ps(sq + (i - b)));
@@ -594,8 +613,8 @@ HETERO_TARGET_AVX512 HETERO_INLINE __m512 madd16(bool fused, __m512 a, __m512 b,
   return fused ? _mm512_fmadd_ps(a, b, c) : _mm512_add_ps(_mm512_mul_ps(a, b), c);
 }
 
-HETERO_TARGET_AVX512 HETERO_INLINE void moments16(const Consts& c, const Consts16& q, __m512& p, __m512 g,
-                                           __m512& m, __m512& v) {
+HETERO_TARGET_AVX512 HETERO_INLINE void moments16(const Consts& c, const Consts16& q, __m512& p,
+                                                  __m512 g, __m512& m, __m512& v) {
   if (c.scaled) g = _mm512_mul_ps(g, q.scale);
   if (c.decay) p = _mm512_mul_ps(p, q.keep);
   if (c.l2) g = madd16(c.fma_add, p, q.wd, g);
@@ -604,7 +623,8 @@ HETERO_TARGET_AVX512 HETERO_INLINE void moments16(const Consts& c, const Consts1
   v = madd16(c.fma_addcmul, _mm512_mul_ps(q.omb2, g), g, _mm512_mul_ps(v, q.b2));
 }
 
-HETERO_TARGET_AVX512 HETERO_INLINE __m512 param16(const Consts16& q, __m512 p, __m512 m, __m512 sqrt_v) {
+HETERO_TARGET_AVX512 HETERO_INLINE __m512 param16(const Consts16& q, __m512 p, __m512 m,
+                                                  __m512 sqrt_v) {
   const __m512 den = _mm512_add_ps(_mm512_div_ps(sqrt_v, q.bc2s), q.eps);
   return _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(q.neg_ss, m), den));
 }
@@ -634,7 +654,6 @@ HETERO_TARGET_AVX512 void adam_avx512(const Consts& c_in, const Ptrs& t_in, int6
   for (int64_t b = begin; b < end; b += kSqrtBlock) {
     const int64_t e = std::min(end, b + kSqrtBlock);
     for (int64_t i = b; i < e; i += 16) {
-      prefetch_line<G>(t, i + kSqrtBlock);
       const __mmask16 k = lanes16(e - i);
       __m512 p = _mm512_maskz_loadu_ps(k, t.p + i), m = _mm512_maskz_loadu_ps(k, t.m + i),
              v = _mm512_maskz_loadu_ps(k, t.v + i);
@@ -643,7 +662,7 @@ HETERO_TARGET_AVX512 void adam_avx512(const Consts& c_in, const Ptrs& t_in, int6
       _mm512_mask_storeu_ps(t.m + i, k, m);
       _mm512_mask_storeu_ps(t.v + i, k, v);
     }
-    c.block_sqrt(static_cast<int>(e - b), t.v + b, sq);
+    block_sqrt_prefetching<G>(c, t, b, e, end, sq);
     for (int64_t i = b; i < e; i += 16) {
       const __mmask16 k = lanes16(e - i);
       const __m512 p = param16(q, _mm512_maskz_loadu_ps(k, t.p + i),
@@ -710,11 +729,19 @@ struct StreamPtrs {
 };
 
 // Per vector: acc = scale * sum of the read streams, then u += acc for each update stream, so
-// every stream advances together as in the Adam kernel. The pointers are copied to locals first
-// (as in the Adam kernels: vector stores may alias anything else).
+// every stream advances together as in the Adam kernel, with the same software prefetch (one line
+// of every stream kPrefetchAhead elements ahead per 16 elements): the probe must not be slower at
+// moving bytes than the kernel it bounds. The pointers are copied to locals first (as in the Adam
+// kernels: vector stores may alias anything else).
+HETERO_INLINE void stream_prefetch(const StreamPtrs& s, int64_t i) {
+  for (int r = 0; r < s.nr; ++r) __builtin_prefetch(s.read[r] + i, 0);
+  for (int u = 0; u < s.nu; ++u) __builtin_prefetch(s.update[u] + i, 1);
+}
+
 void stream_scalar(const StreamPtrs& s_in, int64_t begin, int64_t end) {
   const StreamPtrs s = s_in;
   for (int64_t i = begin; i < end; ++i) {
+    if ((i - begin) % 16 == 0) stream_prefetch(s, i + kPrefetchAhead);
     float acc = 0.0f;
     for (int r = 0; r < s.nr; ++r) acc += s.read[r][i];
     acc = acc * s.scale;
@@ -723,17 +750,24 @@ void stream_scalar(const StreamPtrs& s_in, int64_t begin, int64_t end) {
 }
 
 #if HETERO_X86
+HETERO_TARGET_AVX2 HETERO_INLINE void stream8(const StreamPtrs& s, __m256 scale, int64_t i) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int r = 0; r < s.nr; ++r) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s.read[r] + i));
+  acc = _mm256_mul_ps(acc, scale);
+  for (int u = 0; u < s.nu; ++u)
+    _mm256_storeu_ps(s.update[u] + i, _mm256_add_ps(_mm256_loadu_ps(s.update[u] + i), acc));
+}
+
 HETERO_TARGET_AVX2 void stream_avx2(const StreamPtrs& s_in, int64_t begin, int64_t end) {
   const StreamPtrs s = s_in;
   const __m256 scale = _mm256_set1_ps(s.scale);
   int64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int r = 0; r < s.nr; ++r) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s.read[r] + i));
-    acc = _mm256_mul_ps(acc, scale);
-    for (int u = 0; u < s.nu; ++u)
-      _mm256_storeu_ps(s.update[u] + i, _mm256_add_ps(_mm256_loadu_ps(s.update[u] + i), acc));
+  for (; i + 16 <= end; i += 16) {
+    stream_prefetch(s, i + kPrefetchAhead);
+    stream8(s, scale, i);
+    stream8(s, scale, i + 8);
   }
+  for (; i + 8 <= end; i += 8) stream8(s, scale, i);
   stream_scalar(s_in, i, end);
 }
 
@@ -741,6 +775,7 @@ HETERO_TARGET_AVX512 void stream_avx512(const StreamPtrs& s_in, int64_t begin, i
   const StreamPtrs s = s_in;
   const __m512 scale = _mm512_set1_ps(s.scale);
   for (int64_t i = begin; i < end; i += 16) {
+    stream_prefetch(s, i + kPrefetchAhead);
     const __mmask16 k = lanes16(end - i);
     __m512 acc = _mm512_setzero_ps();
     for (int r = 0; r < s.nr; ++r)

@@ -78,9 +78,10 @@ bool torch_uses_fma();
 
 // Memory-bandwidth probe with the access pattern of an update kernel: every element of the fp32
 // tensors in `read` is read, every element of those in `update` is read and written back
-// (u[i] += scale * sum of read[k][i]; scale = 0 leaves finite data as it was, yet every line is
-// still written). All contiguous CPU fp32 tensors of one numel. With read = {g} and
-// update = {p, m, v} it moves exactly the bytes of an fp32 Adam step without its arithmetic.
+// (u[i] += scale * sum of read[k][i]; scale = 0 leaves finite values as they were, but for the
+// sign of a zero, yet still writes every line). All contiguous CPU fp32 tensors of one numel. With
+// read = {g} and update = {p, m, v} it moves exactly the bytes of an fp32 Adam step without its
+// arithmetic, on the same threads and with the same software prefetch as the Adam kernel.
 // Returns the bytes moved: numel * 4 * (len(read) + 2 * len(update)).
 int64_t stream_update(const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& update,
                       double scale, const std::string& isa, int64_t threads);

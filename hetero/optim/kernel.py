@@ -7,26 +7,30 @@ param/master, exp_avg and exp_avg_sq in place and, for mixed precision, writes t
 param copy in the same pass; SIMD (AVX-512 / AVX2, picked at run time) over several threads with
 the GIL released. Anywhere else (a GPU tier, a non-contiguous view, no extension) it runs the same
 math as torch ops (:func:`adam_update_`). Both are torch's single-tensor Adam op for op, so either
-equals ``torch.optim.Adam`` / ``AdamW`` (CPU, default options) bit for bit.
+equals ``torch.optim.Adam`` / ``AdamW`` (CPU, default options) bit for bit: the kernel measures once
+how torch's own kernels round in this process (:func:`torch_numerics`: fused multiply-adds or not,
+which square root) and does the same.
 
 The square root: torch built with MKL (the x86 wheels) computes ``Tensor.sqrt`` with MKL's vmsSqrt,
-which is not correctly rounded (~17% of results 1 ulp off on an AMD EPYC). Adam amplifies such
-differences wherever a gradient is rounding noise, so ``sqrt="torch"`` (the default) takes the
-square roots from that same function, a block at a time, to stay bit-identical to torch. That costs
-a second pass over L1-resident blocks and MKL's slower sqrt; ``sqrt="ieee"`` uses the hardware
-instruction in one pass instead, which is what torch's ``fused=True`` CPU AdamW does (results equal
-it to float32 rounding). :class:`hetero.optim.Adam` picks ``"ieee"`` for param groups with
-``fused=True``. The torch path ignores ``sqrt`` (it is torch's sqrt by definition).
+which is not correctly rounded (on an AMD EPYC, 17% of all floats in [1, 4) get a result 1 ulp
+off). Adam amplifies such differences wherever a gradient is rounding noise, so ``sqrt="torch"``
+(the default) takes the square roots from that same function, a block at a time, to stay
+bit-identical to torch. That costs a second pass over L1-resident blocks and MKL's slower sqrt;
+``sqrt="ieee"`` uses the hardware instruction in one pass instead, which is what torch's
+``fused=True`` CPU AdamW does (results equal it to float32 rounding). :class:`hetero.optim.Adam`
+picks ``"ieee"`` for param groups with ``fused=True``. The torch path ignores ``sqrt`` (it is
+torch's sqrt by definition).
 
 Code path of the C++ kernel: the ``isa`` argument, else the environment variable
 ``HETERO_ADAM_ISA`` (``avx512``, ``avx2`` or ``scalar``; read at every call), else the best the CPU
 supports; asking for one the CPU lacks raises ValueError. ``threads`` defaults to
-``torch.get_num_threads()``.
+``torch.get_num_threads()`` and then runs on torch's own thread pool (its threads are already
+running after any torch op; threads of its own would oversubscribe the cores); another count
+starts threads for the call. Threads take pieces of the range dynamically, so one the OS preempts
+on a shared machine delays only its piece. Results are identical for every thread count.
 """
 
 from __future__ import annotations
-
-from typing import Optional, Union
 
 import torch
 
@@ -40,7 +44,7 @@ if _ext is not None and not hasattr(_ext, "adam_step"):
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 
-Scale = Union[float, torch.Tensor, None]
+Scale = float | torch.Tensor | None  # a one-element tensor is read with .item()
 
 
 def has_kernel() -> bool:
@@ -67,7 +71,7 @@ def torch_numerics() -> dict:
     return dict(_ext.adam_torch_numerics())
 
 
-def selected_isa(isa: Optional[str] = None) -> str:
+def selected_isa(isa: str | None = None) -> str:
     """The code path a call with ``isa`` takes now (``isa`` argument, HETERO_ADAM_ISA, or best)."""
     if _ext is None:
         raise RuntimeError("the C++ Adam kernel is not built; run `pip install --no-build-isolation -e .`")
@@ -97,7 +101,7 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 def _kernel_applies(tensors: list[torch.Tensor], grad: torch.Tensor,
-                    param_out: Optional[torch.Tensor]) -> bool:
+                    param_out: torch.Tensor | None) -> bool:
     return (_ext is not None
             and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
             and all(t.dtype == torch.float32 for t in tensors[:1] + tensors[2:4])
@@ -109,8 +113,8 @@ def _kernel_applies(tensors: list[torch.Tensor], grad: torch.Tensor,
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, decoupled: bool, grad_scale: Scale = None,
-               param_out: Optional[torch.Tensor] = None, isa: Optional[str] = None,
-               threads: Optional[int] = None, sqrt: str = "torch") -> None:
+               param_out: torch.Tensor | None = None, isa: str | None = None,
+               threads: int | None = None, sqrt: str = "torch") -> None:
     """One Adam (``decoupled=False``, L2 weight decay) or AdamW update of flat tensors in place.
 
     ``param`` (fp32 master or plain param), ``exp_avg`` and ``exp_avg_sq`` are updated; ``grad``
@@ -153,13 +157,13 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *, scale: float = 1.0,
-                   isa: Optional[str] = None, threads: Optional[int] = None) -> int:
+                   isa: str | None = None, threads: int | None = None) -> int:
     """Memory-bandwidth probe of the C++ extension: ``u += scale * sum(read)`` for each ``u`` in
     ``update`` (contiguous fp32 CPU tensors of one numel), on the same code paths and threads as
     the Adam kernel. With ``read=[g]``, ``update=[p, m, v]`` it moves the bytes of an fp32 Adam
-    step and nothing else; ``scale=0`` leaves finite data unchanged (every line is still written
-    back), so it can run over live optimizer state. Returns the bytes moved
-    (``numel * 4 * (len(read) + 2 * len(update))``)."""
+    step and nothing else; ``scale=0`` leaves finite values as they are (but for the sign of a
+    zero; every line is still written back), so it can run over live optimizer state. Returns the
+    bytes moved (``numel * 4 * (len(read) + 2 * len(update))``)."""
     if _ext is None:
         raise RuntimeError("the C++ streaming kernel is not built; run `pip install --no-build-isolation -e .`")
     return int(_ext.stream_update(read, update, scale=float(scale), isa=isa or "",
