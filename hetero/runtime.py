@@ -1,29 +1,51 @@
 """The placement engine: the only code that allocates, moves, evicts and accounts model state.
 
 Hooks and the optimizer ask for blocks with :meth:`Runtime.acquire` (which pins them on a tier
-until :meth:`Runtime.release`); everything else happens here. Invariants kept at every instant:
+until :meth:`Runtime.release`); everything else happens here.
+
+Two views of every block are kept apart:
+
+* the **logical** state — which tiers hold a valid copy (``block.tiers``), where (slots), what each
+  tier's budget has reserved. It changes at once, as if every copy were instantaneous, so every
+  decision (victims, prefetch, homes) is the same as in a synchronous run and the simulator, which
+  replays the same code over tensor-free storage, reproduces a run's traffic exactly.
+* the **physical** transfers — an :class:`Op` per copy, run by the copy engine (host <-> device)
+  or the swap engine (host <-> NVMe) while compute goes on. An op starts only when every earlier
+  op it conflicts with has finished (the same block; a slot it overwrites that an earlier op still
+  reads or writes; device memory an eviction is still giving back), so a slot is reused only after
+  the transfer out of it completed and device memory in use never exceeds the device budget.
+  Compute waits only in :meth:`acquire`, for the blocks it asked for; that wait is the stall time.
+
+Invariants kept at every instant:
 
 * each tier's ``used`` never exceeds its budget (``Tier.reserve`` asserts it);
-* every copy listed in ``block.tiers`` is valid; a write drops all other copies first;
-* a pinned copy, or one being copied, is never evicted.
+* every copy listed in ``block.tiers`` is valid once the block's ops have finished; a write drops
+  all other copies first;
+* a pinned copy is never evicted.
 
-Decisions (what to evict, where a block starts, what to prefetch) come from a pure
-:class:`~hetero.policies.Policy`; bytes are moved by a storage object (:class:`TierStorage` for
-real, :class:`~hetero.simulator.SimStorage` in the simulator), so a policy measured in simulation
-is the policy that runs. Every call is recorded in the tracker's event log, which the simulator
-replays. Copies are synchronous for now.
+A failed transfer (``HeteroIOError``) is undone before the error propagates: ops that depended on
+it are cancelled, and the logical changes of the failed and cancelled ops are reverted newest
+first, so every block again has valid copies where the runtime says (see :meth:`_recover`). With
+:meth:`transaction`, writes also keep the block's previous copy as a *shadow* until commit, so a
+whole optimizer step can be rolled back (see :mod:`hetero.optim.adam`).
+
+Decisions come from a pure :class:`~hetero.policies.Policy`; bytes are moved by a storage object
+(:class:`TierStorage` for real, :class:`~hetero.simulator.SimStorage` in the simulator). Every call
+is recorded in the tracker's event log, which the simulator replays.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from .chunks import EXP_AVG, Block, Chunk
 from .config import Config, format_size
-from .errors import HeteroOOMError
+from .errors import HeteroIOError, HeteroOOMError
 from .policies import BlockInfo, Policy
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, TierStorage,
                     slot_size_for, slots_for)
@@ -42,6 +64,61 @@ def expected_block_bytes(chunks: Sequence[Chunk]) -> list[int]:
     return sizes
 
 
+class Op:
+    """One physical transfer of a block between tiers; or (``src`` None) filling a new block's
+    first copy; or (``dst`` None) the hold a freed copy keeps on its memory until the block's
+    earlier transfers are done.
+
+    ``src_loc`` / ``dst_loc`` are the locations at issue time (the block's logical location may
+    change before the op runs). ``freed_src``: the source copy was dropped logically when the op
+    was issued (an eviction), so undoing the op gives it back.
+    """
+
+    __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
+                 "init", "deps", "handle", "state", "start", "issued")
+
+    def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
+                 dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
+                 deps: list["Op"], issued: float) -> None:
+        self.seq, self.block, self.src, self.dst, self.init = seq, block, src, dst, init
+        self.src_loc, self.dst_loc, self.freed_src, self.prefetch = src_loc, dst_loc, freed_src, prefetch
+        self.deps = deps
+        self.handle: Any = None
+        self.state = "queued"  # queued -> running -> finished | failed | cancelled
+        self.start = self.issued = issued
+
+    @property
+    def frees_device(self) -> bool:
+        """Finishing it gives device memory back (an evicted device copy's storage)."""
+        return self.src == DEVICE and self.freed_src
+
+    def regions(self) -> tuple[list[tuple], list[tuple]]:
+        """(read, written) memory regions, for conflicts between ops."""
+        reads = [] if self.src is None else [_region(self.block, self.src, self.src_loc)]
+        writes = [] if self.dst is None else [_region(self.block, self.dst, self.dst_loc)]
+        return reads, writes
+
+    def __repr__(self) -> str:
+        what = (f"hold {self.src}" if self.dst is None else f"fill {self.dst}" if self.src is None
+                else f"{self.src}->{self.dst}")
+        return f"<Op #{self.seq} {self.block.id} {what} {self.state}>"
+
+
+def _region(block: Any, tier: str, loc: Any) -> tuple:
+    """A block copy's memory as (space, start, end): device memory is per block; host and NVMe
+    copies are byte ranges of the arena and of one swap file."""
+    if tier == DEVICE:
+        return (DEVICE, id(block), 0, 1)
+    n = -(-block.nbytes // 4096) * 4096
+    if tier == HOST:
+        return (HOST, 0, loc, loc + n)
+    return (NVME, loc[0], loc[1], loc[1] + n)
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and a[2] < b[3] and b[2] < a[3]
+
+
 class Runtime:
     def __init__(self, capacities: dict[str, int], slot_size: int, policy: Policy, storage: Any,
                  prefetch: int = 0) -> None:
@@ -53,7 +130,12 @@ class Runtime:
         self.tracker = Tracker()
         self._blocks: dict[str, Block] = {}
         self._on: dict[str, dict[Block, None]] = {name: {} for name in capacities}  # copies per tier
-        self._in_flight: set[Block] = set()  # blocks whose copy is being made: never victims
+        self._in_flight: set[Block] = set()  # blocks being placed right now: never victims
+        self._ops: list[Op] = []  # issued and not yet finished, in issue order
+        self._block_ops: dict[Block, list[Op]] = {}
+        self._seq = itertools.count()
+        self._txn: Optional[_Transaction] = None
+        self._prefetching = True
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -85,12 +167,18 @@ class Runtime:
         return HOST if top == NVME else top
 
     def data(self, block: Block, tier: str) -> torch.Tensor:
-        """The flat, typed tensor of ``block`` on ``tier`` (which must hold a copy)."""
+        """The flat, typed tensor of ``block`` on ``tier`` (which must hold a copy; valid while
+        the block is acquired there)."""
         assert tier in block.tiers, f"{block} has no copy on {tier}"
         return self.storage.data(block, tier)
 
     def free_bytes(self) -> dict[str, int]:
         return {name: t.free for name, t in self.tiers.items()}
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers issued and not finished yet."""
+        return len(self._ops)
 
     # ------------------------------------------------------------------ public operations
 
@@ -111,20 +199,27 @@ class Runtime:
         finally:
             self._in_flight.discard(block)
         self._add_copy(block, first)
-        self.storage.fill(block, first, init)
-        self.storage.on_device(block, first == DEVICE)
+        if self._txn is not None:
+            self._txn.created.append(block)
+        # The memory may still be in use by transfers out of the blocks that had it before: the
+        # fill is an op that starts after them (and is undone with them if one fails).
+        fill = self._issue(block, None, first, None, self.storage.loc(block, first), False, False, init)
+        self._wait_for([fill], stall=True)
         if tier == NVME:
             self._evict(block, HOST)
 
     def acquire(self, blocks: Sequence[Block], tier: str = DEVICE, write: bool = False,
                 record: bool = True) -> None:
         """Pin valid copies of ``blocks`` on ``tier``, creating (zero-filled), fetching and
-        evicting as needed, then prefetch what the policy expects next.
+        evicting as needed, then prefetch what the policy expects next. Returns when the copies
+        are there (the wait is recorded as stall time).
 
         Records one access per block (``record=False`` for reads that are not compute, such as
-        ``state_dict``). With ``write`` every other copy is dropped, because the caller is about
-        to change the data. Raises HeteroOOMError when the tier cannot hold them.
+        ``state_dict``). With ``write`` every other copy is dropped (kept as the shadow inside a
+        :meth:`transaction`), because the caller is about to change the data. Raises
+        HeteroOOMError when the tier cannot hold them, HeteroIOError when a transfer failed.
         """
+        self._pump()
         for block in blocks:
             if not block.tiers:  # first use (or first since a discard): start where it is needed
                 self.create(block, tier=tier)
@@ -137,16 +232,32 @@ class Runtime:
                 self.tracker.misses += 1
             self._fetch(block, tier, protect)
             block.pins[tier] = block.pins.get(tier, 0) + 1
+        try:
+            for block in blocks:
+                self._wait_block(block, stall=True)
+        except BaseException:
+            for block in blocks:
+                block.pins[tier] -= 1
+            raise
+        for block in blocks:
+            if tier == DEVICE:
+                self.storage.on_device(block, True)
             if write:
-                for other in list(block.tiers - {tier}):
+                others = sorted(block.tiers - {tier}, key=TIER_ORDER.index)
+                keep = self._txn.shadow_tier(block, others) if self._txn is not None else None
+                for other in others:
                     assert not block.pins.get(other), f"{block} is written on {tier} while pinned on {other}"
-                    self._free(block, other)
+                    if other == keep:
+                        self._shadow(block, other)
+                    else:
+                        self._free(block, other)
         if record:
             seq = len(self.tracker.accesses)
             for block in blocks:
                 self.tracker.access(block.id, block.nbytes, tier, group, write)
             self.policy.observe([b.id for b in blocks], tier, self.tracker.step, seq, write)
-            self._prefetch()
+            if self._prefetching:
+                self._prefetch()
 
     def release(self, blocks: Sequence[Block], tier: str = DEVICE) -> None:
         self.tracker.event("release", tuple(b.id for b in blocks), tier)
@@ -195,31 +306,112 @@ class Runtime:
 
     def end_step(self) -> None:
         self.tracker.event("end_step")
+        self._pump()
         self.policy.end_step(self.tracker.step)
         self.tracker.step += 1
 
+    def drain(self) -> None:
+        """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it)."""
+        while self._ops:
+            self._wait_op(self._ops[0])
+
     def close(self) -> None:
-        self.storage.close()
+        try:
+            self.drain()
+        except HeteroIOError as exc:
+            log.warning("hetero: a transfer failed while closing: %s", exc)
+        finally:
+            self.storage.close()
+
+    # ------------------------------------------------------------------ transactions
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator["_Transaction"]:
+        """All-or-nothing updates: inside, a write keeps the block's previous copy (on the tier
+        below, where one exists) as a shadow instead of dropping it, and blocks created are noted.
+        An exception rolls every written block back to its shadow and discards the created ones;
+        leaving normally drops the shadows. A write to a block with no other copy is not covered:
+        callers that need it must see to an older copy first (:meth:`ensure_shadow`)."""
+        assert self._txn is None, "transactions do not nest"
+        txn = self._txn = _Transaction()
+        try:
+            yield txn
+        except BaseException:
+            self._txn = None
+            self._rollback(txn)
+            raise
+        self._txn = None
+        for block, (tier, loc) in txn.shadows.items():
+            self._release_shadow(block, tier, loc)
+
+    def ensure_shadow(self, block: Block, tier: str) -> bool:
+        """Inside a transaction, make sure a write of ``block`` on ``tier`` will keep an older copy:
+        if its only copy is on ``tier``, copy it one tier down first (HeteroOOMError if there is
+        no room). False when there is no tier below to hold one."""
+        assert self._txn is not None
+        if block in self._txn.shadows or block.tiers - {tier, DEVICE} or not block.tiers:
+            return True
+        below = [t for t in TIER_ORDER[TIER_ORDER.index(tier) + 1:] if t in self.tiers]
+        if not below:
+            return False
+        self._replicate(block, tier, below[0], {block})
+        return True
+
+    def _shadow(self, block: Block, tier: str) -> None:
+        """Stop counting ``block``'s copy on ``tier`` (host or NVMe) as valid but keep its slots,
+        budget included, under a placeholder owner: the pre-write version for a rollback."""
+        loc = self.storage.loc(block, tier)
+        self._txn.shadows[block] = (tier, loc)
+        block.tiers.discard(tier)
+        self._on[tier].pop(block, None)
+        self.storage.forget(block, tier)
+        self.storage.adopt(block, tier, loc, owner=_Shadow(block))
+
+    def _release_shadow(self, block: Block, tier: str, loc: Any) -> None:
+        self.storage.forget_at(tier, loc, block.nbytes)
+        t = self.tiers[tier]
+        t.release(self._size_on(tier, block))
+        self.tracker.used(tier, t.used)
+
+    def _rollback(self, txn: "_Transaction") -> None:
+        """Put every block written in ``txn`` back to its shadow; discard blocks it created."""
+        try:
+            self.drain()
+        except HeteroIOError:
+            self.drain()  # _recover undid the failure; wait for the rest
+        for block in txn.created:
+            for tier in list(block.tiers):
+                self._free(block, tier)
+        for block, (tier, loc) in txn.shadows.items():
+            for other in list(block.tiers):
+                self._free(block, other)
+            self.storage.forget_at(tier, loc, block.nbytes)
+            self.storage.adopt(block, tier, loc)
+            self._add_copy(block, tier)
+        self.drain()
+        log.info("hetero: transaction rolled back (%d blocks restored, %d created blocks dropped)",
+                 len(txn.shadows), len(txn.created))
 
     # ------------------------------------------------------------------ prefetch
 
     def _prefetch(self) -> None:
-        """Bring what the policy expects next towards the device, in next-use order: the next
-        ``prefetch`` acquires onto the device, the ones after them from NVMe into host memory.
-        A prefetch only evicts blocks the policy expects later than the block it brings."""
+        """Bring what the policy expects next towards where it is needed, in next-use order: the
+        next ``prefetch`` acquires onto their tier, the ones after them from NVMe into host
+        memory. A prefetch only evicts blocks the policy expects later than the block it brings.
+        Transfers are issued and not waited for."""
         if self.prefetch_depth <= 0:
             return
         ahead = self.policy.upcoming(2 * self.prefetch_depth)
         near = self.policy.upcoming(self.prefetch_depth)
         for i, (block_id, tier) in enumerate(ahead):
             block = self._blocks.get(block_id)
-            if (block is None or not block.tiers or tier != DEVICE or DEVICE in block.tiers
+            if (block is None or not block.tiers or tier == NVME or tier in block.tiers
                     or any(block.pins.values())):
-                continue  # absent or discarded, not for the device, already there, or in use
-            target = DEVICE if i < len(near) else HOST
+                continue  # absent or discarded, already there, or in use
+            target = tier if i < len(near) else HOST
             if target == HOST and HOST in block.tiers:
                 continue
-            horizon = self.policy.next_use(block_id, DEVICE)
+            horizon = self.policy.next_use(block_id, tier)
             if not self._prefetch_one(block, target, horizon):
                 break
 
@@ -233,13 +425,9 @@ class Runtime:
             finally:
                 self._in_flight.discard(block)
             src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
-            start = self.tracker.now()
             self._replicate(block, src, tier, set(), prefetch=True)
             if tier == DEVICE:
-                self.storage.on_device(block, True)
                 self.tracker.prefetched.add(block.id)
-            # Copies are synchronous for now, so compute waits for a prefetch too.
-            self.tracker.stall(start, self.tracker.now(), block.id)
         self.tracker.prefetch_issued += 1
         return True
 
@@ -255,7 +443,7 @@ class Runtime:
             self._evict(self._blocks[self.policy.victim(tier, victims).id], tier)
         return True
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ logical placement
 
     def _info(self, block: Block) -> BlockInfo:
         return BlockInfo(block.id, block.kind, block.nbytes, clean_below=len(block.tiers) > 1)
@@ -265,19 +453,15 @@ class Runtime:
         return block.nbytes if tier == DEVICE else slots_for(block.nbytes, self.slot_size) * self.slot_size
 
     def _fetch(self, block: Block, tier: str, protect: set[Block]) -> None:
-        """Make a valid copy of ``block`` on ``tier`` (host or device). ``protect`` are the other
-        blocks of the same acquire: they are not evicted from ``tier`` to make room."""
+        """Give ``block`` a copy on ``tier`` (host or device), issuing the transfers.
+        ``protect`` are the other blocks of the same acquire: they are not evicted from ``tier``."""
         if tier in block.tiers:
             return
         assert tier != NVME, "blocks reach NVMe only by eviction"
         if tier == DEVICE and HOST not in block.tiers:  # NVMe -> device goes through host
             self._fetch(block, HOST, set())
         src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
-        start = self.tracker.now()
         self._replicate(block, src, tier, protect)
-        if tier == DEVICE:
-            self.storage.on_device(block, True)
-        self.tracker.stall(start, self.tracker.now(), block.id)
 
     def _evictable(self, b: Block, tier: str, protect: set[Block]) -> bool:
         if tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._in_flight:
@@ -317,39 +501,189 @@ class Runtime:
         """Remove ``block``'s copy from ``tier``, first writing it one tier down if it is the
         only copy (making room there recursively)."""
         if block.tiers == {tier}:
-            self._replicate(block, tier, TIER_ORDER[TIER_ORDER.index(tier) + 1], set())
-        self._free(block, tier)
+            self._replicate(block, tier, TIER_ORDER[TIER_ORDER.index(tier) + 1], set(), evict=True)
+        else:
+            self._free(block, tier)
 
     def _replicate(self, block: Block, src: str, dst: str, protect: set[Block],
-                   prefetch: bool = False) -> None:
-        """Give ``block`` a copy on ``dst`` made from ``src``; on failure nothing has changed."""
+                   prefetch: bool = False, evict: bool = False) -> None:
+        """Give ``block`` a copy on ``dst`` made from ``src`` (dropping the ``src`` copy when
+        ``evict``); the transfer is issued, not waited for."""
         self._in_flight.add(block)
         try:
             self._alloc(block, dst, protect)
-            start = self.tracker.now()
-            try:
-                self.storage.copy(block, src, dst)
-            except BaseException:
-                self._free(block, dst, present=False)
-                raise
-            self.tracker.move(block.id, src, dst, block.nbytes, start, self.tracker.now(), prefetch)
         finally:
             self._in_flight.discard(block)
+        src_loc, dst_loc = self.storage.loc(block, src), self.storage.loc(block, dst)
+        self.tracker.count(block.id, src, dst, block.nbytes, prefetch)
         self._add_copy(block, dst)
+        if evict:
+            self._drop(block, src)
+        self._issue(block, src, dst, src_loc, dst_loc, freed_src=evict, prefetch=prefetch)
 
     def _add_copy(self, block: Block, tier: str) -> None:
         block.tiers.add(tier)
         self._on[tier][block] = None
 
-    def _free(self, block: Block, tier: str, present: bool = True) -> None:
-        if tier == DEVICE and present:
+    def _drop(self, block: Block, tier: str) -> None:
+        """Logically drop ``block``'s copy on ``tier``: its slots and budget are free for the next
+        placement at once (a transfer into them waits for those still using them); the caller
+        gives device memory back (``storage.release``) when nothing reads it any more."""
+        if tier == DEVICE:
             self.storage.on_device(block, False)
-        self.storage.free(block, tier)
+        self.storage.forget(block, tier)
         block.tiers.discard(tier)
         self._on[tier].pop(block, None)
         t = self.tiers[tier]
         t.release(self._size_on(tier, block))
         self.tracker.used(tier, t.used)
+
+    def _free(self, block: Block, tier: str) -> None:
+        """Drop ``block``'s copy on ``tier`` and give its memory back — at once, or (when
+        transfers of the block are still running) through a hold op that ends after them."""
+        loc = self.storage.loc(block, tier)
+        self._drop(block, tier)
+        if self._block_ops.get(block):
+            self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False)
+        else:
+            self.storage.release(block, tier)
+
+    # ------------------------------------------------------------------ physical transfers
+
+    def _conflicts(self, block: Block, op: Op) -> list[Op]:
+        """Unfinished ops that must finish before ``op`` starts: those of the same block, those
+        using memory it writes or writing memory it reads, and (for a transfer onto the device)
+        evictions still giving device memory back."""
+        reads, writes = op.regions()
+        to_device = op.dst == DEVICE
+        deps = []
+        for p in self._ops:
+            if p is op:
+                continue
+            if p.block is block or (to_device and p.frees_device):
+                deps.append(p)
+                continue
+            p_reads, p_writes = p.regions()
+            if (any(_overlap(w, r) for w in writes for r in p_reads + p_writes)
+                    or any(_overlap(r, w) for r in reads for w in p_writes)):
+                deps.append(p)
+        return deps
+
+    def _issue(self, block: Block, src: Optional[str], dst: Optional[str], src_loc: Any, dst_loc: Any,
+               freed_src: bool, prefetch: bool, init: Optional[torch.Tensor] = None) -> Op:
+        op = Op(next(self._seq), block, src, dst, src_loc, dst_loc, freed_src, prefetch, init, [],
+                self.tracker.now())
+        op.deps = self._conflicts(block, op)
+        self._ops.append(op)
+        self._block_ops.setdefault(block, []).append(op)
+        if not op.deps:
+            self._start(op)
+        return op
+
+    def _start(self, op: Op) -> None:
+        op.state = "running"
+        op.start = self.tracker.now()
+        if op.dst is not None:
+            self.storage.alloc(op.block, op.dst)
+            if op.src is None:
+                self.storage.fill(op.block, op.dst, op.init)
+                op.init = None
+            else:
+                op.handle = self.storage.copy(op.block, op.src, op.src_loc, op.dst, op.dst_loc)
+
+    def _finish(self, op: Op) -> None:
+        """Wait for a running op and retire it; on failure undo it (and what depended on it)."""
+        if op.handle is not None:
+            try:
+                op.handle.wait()
+            except HeteroIOError as exc:
+                op.state = "failed"
+                self._recover(op)
+                raise exc
+            self.tracker.move(op.block.id, op.src, op.dst, op.block.nbytes, op.start,
+                              self.tracker.now(), op.prefetch)
+        op.state = "finished"
+        self._retire(op)
+        if op.freed_src:
+            self.storage.release(op.block, op.src)
+
+    def _retire(self, op: Op) -> None:
+        self._ops.remove(op)
+        ops = self._block_ops[op.block]
+        ops.remove(op)
+        if not ops:
+            del self._block_ops[op.block]
+
+    def _wait_op(self, op: Op) -> None:
+        for d in op.deps:
+            if d.state in ("queued", "running"):
+                self._wait_op(d)
+        if op.state == "queued":
+            self._start(op)
+        if op.state == "running":
+            self._finish(op)
+
+    def _wait_for(self, ops: Iterable[Op], stall: bool, block: Optional[Block] = None) -> None:
+        ops = [o for o in ops if o.state in ("queued", "running")]
+        if not ops:
+            return
+        start = self.tracker.now()
+        try:
+            for o in ops:
+                self._wait_op(o)
+        finally:
+            if stall:
+                self.tracker.stall(start, self.tracker.now(), (block or ops[0].block).id)
+
+    def _wait_block(self, block: Block, stall: bool) -> None:
+        ops = list(self._block_ops.get(block, ()))
+        busy = any(o.state == "queued" or (o.handle is not None and not o.handle.done()) for o in ops)
+        self._wait_for(ops, stall and busy, block)
+
+    def _pump(self) -> None:
+        """Retire finished transfers and start those whose conflicts are gone; never blocks."""
+        for op in list(self._ops):
+            if op.state == "running" and (op.handle is None or op.handle.done()):
+                self._finish(op)
+            elif op.state == "queued" and all(d.state == "finished" for d in op.deps):
+                self._start(op)
+
+    def _recover(self, failed: Op) -> None:
+        """Undo a failed transfer: cancel the ops that depend on it, let the running ones end,
+        then revert the logical changes of every failed or cancelled op, newest first. Sources
+        of those ops were never overwritten (whatever would overwrite them depended on them), so
+        afterwards every block's copies are valid again."""
+        bad = {failed}
+        while True:
+            for op in self._ops:
+                if op.state == "queued" and any(d in bad for d in op.deps):
+                    op.state = "cancelled"
+                    bad.add(op)
+            running = [op for op in self._ops if op.state == "running" and op not in bad]
+            if not running:
+                break
+            for op in running:
+                try:
+                    op.handle.wait()
+                except HeteroIOError:
+                    op.state = "failed"
+                    bad.add(op)
+                else:
+                    self._finish(op)
+        for op in sorted(bad, key=lambda o: o.seq, reverse=True):
+            self._retire(op)
+            block = op.block
+            if op.dst is not None and op.dst in block.tiers:
+                self._drop(block, op.dst)
+                self.storage.release(block, op.dst)
+            if op.freed_src:
+                self.storage.adopt(block, op.src, op.src_loc)
+                t = self.tiers[op.src]
+                t.reserve(self._size_on(op.src, block))
+                self.tracker.used(op.src, t.used)
+                self._add_copy(block, op.src)
+        log.warning("hetero: a transfer failed; undid %d transfer(s): %s", len(bad),
+                    ", ".join(map(repr, sorted(bad, key=lambda o: o.seq))))
 
     def _oom_message(self, block: Block, tier: str, why: str) -> str:
         tiers = ", ".join(f"{n}: {format_size(t.used)} used of {format_size(t.capacity)} "
@@ -357,3 +691,29 @@ class Runtime:
                           for n, t in self.tiers.items())
         return (f"cannot place block {block.id} ({format_size(block.nbytes)}) on the {tier} tier: {why}. "
                 f"Tiers: {tiers}. Raise device_budget/host_budget, or set nvme_path to add an NVMe tier.")
+
+
+class _Transaction:
+    """Shadows (block -> (tier, location) of its pre-write copy) and blocks created."""
+
+    def __init__(self) -> None:
+        self.shadows: dict[Block, tuple[str, Any]] = {}
+        self.created: list[Block] = []
+
+    def shadow_tier(self, block: Block, others: list[str]) -> Optional[str]:
+        """Which of a written block's other copies (fastest first) to keep as its shadow: the
+        slowest on host or NVMe (a device copy shares the block's one device buffer), unless the
+        block already has a shadow or did not exist before the transaction."""
+        if block in self.shadows or block in self.created:
+            return None
+        kept = [t for t in others if t != DEVICE]
+        return kept[-1] if kept else None
+
+
+class _Shadow:
+    """Owner of the slots a shadow keeps: never a victim (it holds no valid copy anywhere)."""
+
+    __slots__ = ("block", "tiers", "pins")
+
+    def __init__(self, block: Block) -> None:
+        self.block, self.tiers, self.pins = block, frozenset(), {}

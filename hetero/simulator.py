@@ -37,8 +37,22 @@ class SimBlock:
         return f"SimBlock({self.id}, {self.nbytes} B, tiers={sorted(self.tiers)})"
 
 
+class _Done:
+    """The handle of a simulated transfer: finished the moment it is issued."""
+
+    @staticmethod
+    def wait() -> None:
+        pass
+
+    @staticmethod
+    def done() -> bool:
+        return True
+
+
 class SimStorage:
-    """Storage that carves slots exactly as :class:`~hetero.tiers.TierStorage` but holds no bytes."""
+    """Storage that carves slots exactly as :class:`~hetero.tiers.TierStorage` but holds no bytes;
+    its transfers finish at once, so the runtime's decisions (which never depend on timing) are
+    those of the run it replays."""
 
     def __init__(self, capacities: Mapping[str, int], slot_size: int) -> None:
         self.host = SlotPool(max(1, capacities[HOST] // slot_size), slot_size)
@@ -54,20 +68,47 @@ class SimStorage:
         block.nvme_loc = None if off is None else (0, off)
         return off is not None
 
-    def free(self, block: SimBlock, tier: str) -> None:
+    def loc(self, block: SimBlock, tier: str) -> Any:
+        return {DEVICE: None, HOST: block.host_offset, NVME: block.nvme_loc}[tier]
+
+    def forget(self, block: SimBlock, tier: str) -> None:
+        if tier != DEVICE:
+            self.forget_at(tier, self.loc(block, tier), block.nbytes)
         if tier == HOST:
-            self.host.free(block.host_offset, block.nbytes)
+            block.host_offset = None
         elif tier == NVME:
-            self.nvme.free(block.nvme_loc[1], block.nbytes)
+            block.nvme_loc = None
+
+    def forget_at(self, tier: str, loc: Any, nbytes: int) -> None:
+        if tier == HOST:
+            self.host.free(loc, nbytes)
+        elif tier == NVME:
+            self.nvme.free(loc[1], nbytes)
+
+    def adopt(self, block: SimBlock, tier: str, loc: Any, owner: object = None) -> None:
+        if tier == HOST:
+            self.host.take(loc, block.nbytes, owner or block)
+            if owner is None:
+                block.host_offset = loc
+        elif tier == NVME:
+            self.nvme.take(loc[1], block.nbytes, owner or block)
+            if owner is None:
+                block.nvme_loc = loc
 
     def pools(self, tier: str) -> list[SlotPool]:
         return [self.host] if tier == HOST else [self.nvme]
 
+    def alloc(self, block: SimBlock, tier: str) -> None:
+        pass
+
+    def release(self, block: SimBlock, tier: str) -> None:
+        pass
+
     def data(self, block: SimBlock, tier: str) -> Any:
         raise RuntimeError("a simulated block has no data")
 
-    def copy(self, block: SimBlock, src: str, dst: str) -> None:
-        pass
+    def copy(self, block: SimBlock, src: str, src_loc: Any, dst: str, dst_loc: Any) -> _Done:
+        return _Done()
 
     def fill(self, block: SimBlock, tier: str, init: Any) -> None:
         pass

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import engine
+from . import copies, engine
 from .errors import HeteroConfigError
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,13 @@ class SlotPool:
         owners = self.owner[start:start + n]
         assert owners and owners[0] is not None and all(o is owners[0] for o in owners), "bad free"
         self.owner[start:start + n] = [None] * n
+
+    def take(self, offset: int, nbytes: int, owner: object) -> None:
+        """Give the (free) slots at ``offset`` to ``owner`` again: undoing a free."""
+        start = offset // self.slot_size
+        n = self.slots_for(nbytes)
+        assert all(o is None for o in self.owner[start:start + n]), "runtime bug: slots in use"
+        self.owner[start:start + n] = [owner] * n
 
     def window(self, nbytes: int, evictable: "Callable[[object], bool]") -> Optional[list[object]]:
         """The owners to evict to free a run for ``nbytes``: the run of ``slots_for(nbytes)``
@@ -217,59 +224,105 @@ class TierStorage:
 
     Each block's device copy is a flat tensor whose storage is allocated and freed in place (so
     parameter views and the views autograd saved stay valid); its host copy is a run of arena
-    slots; its NVMe copy a run of swap-file slots. The runtime calls ``place`` / ``free`` /
-    ``copy`` / ``fill``; the simulator uses a look-alike without memory.
+    slots; its NVMe copy a run of swap-file slots. The runtime's logical bookkeeping uses
+    ``place`` / ``forget`` / ``adopt`` / ``loc`` (slots only); memory is touched by ``alloc`` /
+    ``release`` (device storage), ``copy`` (asynchronous: host <-> device on the copy engine,
+    host <-> NVMe on the swap engine) and ``fill``. The simulator uses a look-alike without memory.
     """
 
     def __init__(self, device: torch.device, arena: HostArena, swap: Optional[SwapSpace]) -> None:
         self.device = device
         self.arena = arena
         self.swap = swap
+        self.copier = copies.CopyEngine()
+
+    # ------------------------------------------------------------------ slots (logical)
 
     def place(self, block, tier: str) -> bool:
-        """Carve storage for ``block`` on ``tier``; False when no run of slots is free."""
-        if tier == DEVICE:
-            if block.device is None:
-                block.device = torch.empty(block.numel, dtype=block.dtype, device=self.device)
-            else:
-                block.device.untyped_storage().resize_(block.nbytes)
-            return True
+        """Take slots for ``block`` on ``tier``; False when no run of slots is free."""
         if tier == HOST:
             block.host_offset = self.arena.pool.alloc(block.nbytes, block)
             return block.host_offset is not None
-        block.nvme_loc = self.swap.alloc(block.nbytes, block)
-        return block.nvme_loc is not None
+        if tier == NVME:
+            block.nvme_loc = self.swap.alloc(block.nbytes, block)
+            return block.nvme_loc is not None
+        return True
 
-    def free(self, block, tier: str) -> None:
-        if tier == DEVICE:
-            block.device.untyped_storage().resize_(0)
-        elif tier == HOST:
+    def loc(self, block, tier: str):
+        """Where ``block``'s copy on ``tier`` is: None (device), arena offset, (file, offset)."""
+        return {DEVICE: None, HOST: block.host_offset, NVME: block.nvme_loc}[tier]
+
+    def forget(self, block, tier: str) -> None:
+        """Give ``block``'s slots on ``tier`` back to the pool."""
+        if tier == HOST:
             self.arena.pool.free(block.host_offset, block.nbytes)
             block.host_offset = None
-        else:
+        elif tier == NVME:
             self.swap.free(block.nvme_loc, block.nbytes)
             block.nvme_loc = None
 
+    def forget_at(self, tier: str, loc, nbytes: int) -> None:
+        """Give the slots at ``loc`` back (slots held for a shadow copy)."""
+        if tier == HOST:
+            self.arena.pool.free(loc, nbytes)
+        elif tier == NVME:
+            self.swap.free(loc, nbytes)
+
+    def adopt(self, block, tier: str, loc, owner: object = None) -> None:
+        """Take the free slots at ``loc`` again for ``block`` (its copy there is valid again) or,
+        with ``owner``, hold them for it without making them its location."""
+        if tier == DEVICE:
+            return
+        pool = self.arena.pool if tier == HOST else self.swap.pools[loc[0]]
+        pool.take(loc if tier == HOST else loc[1], block.nbytes, owner or block)
+        if owner is None:
+            if tier == HOST:
+                block.host_offset = loc
+            else:
+                block.nvme_loc = loc
+
     def pools(self, tier: str) -> list[SlotPool]:
         return [self.arena.pool] if tier == HOST else list(self.swap.pools)
+
+    # ------------------------------------------------------------------ memory (physical)
+
+    def alloc(self, block, tier: str) -> None:
+        """Back ``block``'s device buffer with memory (a no-op for slots, which always are)."""
+        if tier == DEVICE:
+            if block.device is None:
+                block.device = torch.empty(block.numel, dtype=block.dtype, device=self.device)
+            elif block.device.untyped_storage().nbytes() < block.nbytes:
+                block.device.untyped_storage().resize_(block.nbytes)
+
+    def release(self, block, tier: str) -> None:
+        """Give ``block``'s device memory back (nothing reads or writes it any more)."""
+        if tier == DEVICE and block.device is not None:
+            block.device.untyped_storage().resize_(0)
 
     def data(self, block, tier: str) -> torch.Tensor:
         """The flat, typed tensor of ``block`` on ``tier`` (device or host)."""
         if tier == DEVICE:
             return block.device
         assert tier == HOST, "NVMe copies are not addressable; acquire the block on host first"
-        return self.arena.view(block.host_offset, block.nbytes)[:block.nbytes].view(block.dtype)
+        return self._host(block.host_offset, block)
 
-    def copy(self, block, src: str, dst: str) -> None:
-        with torch.no_grad():
-            if NVME in (src, dst):
-                slot = self.arena.view(block.host_offset, block.nbytes)
-                if dst == NVME:
-                    self.swap.write(block.nvme_loc, slot).wait()
-                else:
-                    self.swap.read(block.nvme_loc, slot).wait()
-            else:
-                self.data(block, dst).copy_(self.data(block, src))
+    def _host(self, offset: int, block) -> torch.Tensor:
+        return self.arena.view(offset, block.nbytes)[:block.nbytes].view(block.dtype)
+
+    def copy(self, block, src: str, src_loc, dst: str, dst_loc):
+        """Start copying ``block`` from ``src`` at ``src_loc`` to ``dst`` at ``dst_loc``; returns
+        a handle with ``wait()`` (HeteroIOError for a failed swap transfer) and ``done()``."""
+        if NVME in (src, dst):
+            if dst == NVME:
+                return self.swap.write(dst_loc, self.arena.view(src_loc, block.nbytes))
+            return self.swap.read(src_loc, self.arena.view(dst_loc, block.nbytes))
+        src_t = block.device if src == DEVICE else self._host(src_loc, block)
+        dst_t = block.device if dst == DEVICE else self._host(dst_loc, block)
+        after = None
+        cuda = src_t if src_t.is_cuda else dst_t if dst_t.is_cuda else None
+        if cuda is not None:  # order after the compute stream's work on this memory
+            after = torch.cuda.current_stream(cuda.device).cuda_stream
+        return self.copier.copy(dst_t, src_t, after_stream=after)
 
     def fill(self, block, tier: str, init: Optional[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -280,13 +333,15 @@ class TierStorage:
                 dst.copy_(init.reshape(-1))
 
     def on_device(self, block, resident: bool) -> None:
-        """A param block's device copy appeared or is about to go: repoint its parameters."""
-        if block.kind == "param":
+        """A param block's device copy is usable, or is about to go: repoint its parameters."""
+        if block.kind == "param" and getattr(block, "attached", False) != resident:
+            block.attached = resident
             if resident:
                 block.chunk.attach_params()
             else:
                 block.chunk.detach_params()
 
     def close(self) -> None:
+        self.copier.shutdown()
         if self.swap is not None:
             self.swap.close()

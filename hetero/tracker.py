@@ -96,13 +96,17 @@ class Tracker:
             self.prefetch_hits += 1
         return a
 
-    def move(self, block: str, src: str, dst: str, nbytes: int, start: float, end: float,
-             prefetch: bool = False) -> None:
-        self.moves.append(Move(block, src, dst, nbytes, start, end, prefetch))
+    def count(self, block: str, src: str, dst: str, nbytes: int, prefetch: bool = False) -> None:
+        """A transfer was issued: the traffic counters (a run's and its replay's agree on these)."""
         self.traffic[f"{src}->{dst}"] += nbytes
         while len(self.step_traffic) <= self.step:
             self.step_traffic.append({d: 0 for d in DIRECTIONS})
         self.step_traffic[self.step][f"{src}->{dst}"] += nbytes
+
+    def move(self, block: str, src: str, dst: str, nbytes: int, start: float, end: float,
+             prefetch: bool = False) -> None:
+        """A transfer finished: when it ran (for the trace and the plot)."""
+        self.moves.append(Move(block, src, dst, nbytes, start, end, prefetch))
 
     def used(self, tier: str, used: int) -> None:
         self.usage.append((self.now(), tier, used))
