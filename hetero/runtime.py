@@ -135,7 +135,7 @@ class Runtime:
         self._block_ops: dict[Block, list[Op]] = {}
         self._seq = itertools.count()
         self._txn: Optional[_Transaction] = None
-        self._prefetching = True
+        self.prefetching = True
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -256,7 +256,7 @@ class Runtime:
             for block in blocks:
                 self.tracker.access(block.id, block.nbytes, tier, group, write)
             self.policy.observe([b.id for b in blocks], tier, self.tracker.step, seq, write)
-            if self._prefetching:
+            if self.prefetching:
                 self._prefetch()
 
     def release(self, blocks: Sequence[Block], tier: str = DEVICE) -> None:
@@ -332,43 +332,92 @@ class Runtime:
         An exception rolls every written block back to its shadow and discards the created ones;
         leaving normally drops the shadows. A write to a block with no other copy is not covered:
         callers that need it must see to an older copy first (:meth:`ensure_shadow`)."""
-        assert self._txn is None, "transactions do not nest"
-        txn = self._txn = _Transaction()
+        self.begin()
         try:
-            yield txn
+            yield self._txn
         except BaseException:
-            self._txn = None
-            self._rollback(txn)
+            self.rollback()
             raise
-        self._txn = None
+        self.commit()
+
+    def begin(self) -> None:
+        """Start a transaction (see :meth:`transaction`, which is how callers should use it)."""
+        assert self._txn is None, "transactions do not nest"
+        self.tracker.event("begin")
+        self._txn = _Transaction()
+
+    def commit(self) -> None:
+        self.tracker.event("commit")
+        txn, self._txn = self._txn, None
         for block, (tier, loc) in txn.shadows.items():
             self._release_shadow(block, tier, loc)
+
+    def rollback(self) -> None:
+        self.tracker.event("rollback")
+        txn, self._txn = self._txn, None
+        self._rollback(txn)
+
+    def set_prefetching(self, on: bool) -> None:
+        """Turn prefetch off (on) for the acquires that follow."""
+        self.tracker.event("prefetching", on)
+        self.prefetching = on
 
     def ensure_shadow(self, block: Block, tier: str) -> bool:
         """Inside a transaction, make sure a write of ``block`` on ``tier`` will keep an older copy:
         if its only copy is on ``tier``, copy it one tier down first (HeteroOOMError if there is
         no room). False when there is no tier below to hold one."""
         assert self._txn is not None
-        if block in self._txn.shadows or block.tiers - {tier, DEVICE} or not block.tiers:
+        self.tracker.event("ensure_shadow", block.id, tier)
+        if block in self._txn.shadows or block.tiers - {tier} or not block.tiers:
             return True
         below = [t for t in TIER_ORDER[TIER_ORDER.index(tier) + 1:] if t in self.tiers]
         if not below:
             return False
-        self._replicate(block, tier, below[0], {block})
+        try:
+            self._replicate(block, tier, below[0], {block})
+        except HeteroOOMError:
+            self._txn.complete = False
+            log.warning("hetero: no room for the previous version of %s; this optimizer step can no "
+                        "longer be undone if a transfer fails", block.id)
+            return False
         return True
 
     def _shadow(self, block: Block, tier: str) -> None:
-        """Stop counting ``block``'s copy on ``tier`` (host or NVMe) as valid but keep its slots,
-        budget included, under a placeholder owner: the pre-write version for a rollback."""
+        """Stop counting ``block``'s copy on ``tier`` as valid but keep its memory and budget (host
+        and NVMe slots under a placeholder owner; a device buffer, which the block does not get
+        back on the device until the transaction ends): the pre-write version for a rollback."""
         loc = self.storage.loc(block, tier)
         self._txn.shadows[block] = (tier, loc)
         block.tiers.discard(tier)
         self._on[tier].pop(block, None)
-        self.storage.forget(block, tier)
-        self.storage.adopt(block, tier, loc, owner=_Shadow(block))
+        if tier == DEVICE:
+            self.storage.on_device(block, False)
+        else:
+            self.storage.forget(block, tier)
+            self.storage.adopt(block, tier, loc, owner=_Shadow(block))
+
+    def _drop_shadow(self, tier: str) -> bool:
+        """Make room on ``tier`` by giving up a shadow there: the transaction goes on, but can no
+        longer undo that block (logged once per transaction)."""
+        txn = self._txn
+        found = next(((b, loc) for b, (t, loc) in txn.shadows.items() if t == tier), None) if txn else None
+        if found is None:
+            return False
+        block, loc = found
+        del txn.shadows[block]
+        self._release_shadow(block, tier, loc)
+        if txn.complete:
+            txn.complete = False
+            log.warning("hetero: no room on the %s tier for the previous versions of the blocks an "
+                        "optimizer step writes; this step can no longer be undone if a transfer fails "
+                        "(give the %s tier more room to keep steps all-or-nothing)", tier, tier)
+        return True
 
     def _release_shadow(self, block: Block, tier: str, loc: Any) -> None:
-        self.storage.forget_at(tier, loc, block.nbytes)
+        if tier == DEVICE:
+            self.storage.release(block, DEVICE)
+        else:
+            self.storage.forget_at(tier, loc, block.nbytes)
         t = self.tiers[tier]
         t.release(self._size_on(tier, block))
         self.tracker.used(tier, t.used)
@@ -385,8 +434,9 @@ class Runtime:
         for block, (tier, loc) in txn.shadows.items():
             for other in list(block.tiers):
                 self._free(block, other)
-            self.storage.forget_at(tier, loc, block.nbytes)
-            self.storage.adopt(block, tier, loc)
+            if tier != DEVICE:
+                self.storage.forget_at(tier, loc, block.nbytes)
+                self.storage.adopt(block, tier, loc)
             self._add_copy(block, tier)
         self.drain()
         log.info("hetero: transaction rolled back (%d blocks restored, %d created blocks dropped)",
@@ -406,8 +456,8 @@ class Runtime:
         for i, (block_id, tier) in enumerate(ahead):
             block = self._blocks.get(block_id)
             if (block is None or not block.tiers or tier == NVME or tier in block.tiers
-                    or any(block.pins.values())):
-                continue  # absent or discarded, already there, or in use
+                    or any(block.pins.values()) or (self._txn is not None and block in self._txn.shadows)):
+                continue  # absent or discarded, already there, in use, or holding a shadow
             target = tier if i < len(near) else HOST
             if target == HOST and HOST in block.tiers:
                 continue
@@ -458,6 +508,8 @@ class Runtime:
         if tier in block.tiers:
             return
         assert tier != NVME, "blocks reach NVMe only by eviction"
+        assert not (tier == DEVICE and self._txn is not None and self._txn.shadows.get(block, ("",))[0] == DEVICE), (
+            f"runtime bug: {block} is fetched to the device, which holds its shadow copy")
         if tier == DEVICE and HOST not in block.tiers:  # NVMe -> device goes through host
             self._fetch(block, HOST, set())
         src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
@@ -485,6 +537,8 @@ class Runtime:
                 return
             if t.free < need:
                 victims = [self._info(b) for b in self._on[tier] if self._evictable(b, tier, protect)]
+                if not victims and self._drop_shadow(tier):
+                    continue
                 if not victims:
                     raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
                 self._evict(self._blocks[self.policy.victim(tier, victims).id], tier)
@@ -699,15 +753,17 @@ class _Transaction:
     def __init__(self) -> None:
         self.shadows: dict[Block, tuple[str, Any]] = {}
         self.created: list[Block] = []
+        self.complete = True  # False once a shadow had to be given up for room
 
     def shadow_tier(self, block: Block, others: list[str]) -> Optional[str]:
         """Which of a written block's other copies (fastest first) to keep as its shadow: the
-        slowest on host or NVMe (a device copy shares the block's one device buffer), unless the
-        block already has a shadow or did not exist before the transaction."""
-        if block in self.shadows or block in self.created:
+        slowest (a device copy only when there is no other: it keeps device memory, and the block
+        cannot come back to the device before the end), unless the block already has a shadow or
+        did not exist before the transaction."""
+        if block in self.shadows or block in self.created or not others:
             return None
         kept = [t for t in others if t != DEVICE]
-        return kept[-1] if kept else None
+        return kept[-1] if kept else others[-1]
 
 
 class _Shadow:

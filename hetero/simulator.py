@@ -169,6 +169,12 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
                 rt.end_step()
             elif op == "unpin_all":
                 rt.unpin_all()
+            elif op in ("begin", "commit", "rollback"):
+                getattr(rt, op)()
+            elif op == "ensure_shadow":
+                rt.ensure_shadow(get(args[0]), args[1])
+            elif op == "prefetching":
+                rt.set_prefetching(args[0])
             else:
                 raise ValueError(f"unknown event {op!r} in the event log")
     except HeteroOOMError as exc:

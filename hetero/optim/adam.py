@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Chunk, ParamSlot
+from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import format_size
 from ..errors import HeteroConfigError, HeteroOOMError
-from ..tiers import DEVICE, HOST, align_up
+from ..tiers import DEVICE, HOST, NVME, align_up
 from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
 
 _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -110,8 +110,33 @@ class Adam(torch.optim.Optimizer):
         fits = sum(b.nbytes for b in blocks) <= rt.tiers[DEVICE].capacity
         return DEVICE if fits and DEVICE in chunk.blocks[EXP_AVG].tiers else HOST
 
+    @staticmethod
+    def _written(chunk: Chunk) -> list[Block]:
+        """Blocks a step changes: master (or param), exp_avg, exp_avg_sq, and the low-precision
+        param copy under mixed precision."""
+        blocks = [chunk.full_precision, chunk.blocks[EXP_AVG], chunk.blocks[EXP_AVG_SQ]]
+        return blocks + ([chunk.blocks[PARAM]] if MASTER in chunk.blocks else [])
+
+    def _in_place(self, chunk: Chunk) -> bool:
+        """Whether the chunk's step needs no transfer: its states exist and every block it reads
+        or writes already has a copy on the tier it would be updated on."""
+        if EXP_AVG not in chunk.blocks or not chunk.blocks[EXP_AVG].tiers:
+            return False
+        tier = self._tier_for(chunk)
+        return all(tier in b.tiers for b in self._written(chunk) + [chunk.blocks[GRAD]])
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One update of every parameter with a gradient.
+
+        With an NVMe tier (whose transfers can fail), the step is all or nothing: chunks whose
+        state must move are updated first inside a runtime transaction (each written block keeps
+        its previous copy as a shadow; the transfers of one chunk overlap the compute of another
+        through the runtime's prefetch), every transfer is then waited for, and only after that
+        are the chunks already in place updated — with no transfer that could fail. A failure
+        (HeteroIOError, or HeteroOOMError for want of room for shadows) restores every parameter,
+        state and step count and propagates.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -121,45 +146,79 @@ class Adam(torch.optim.Optimizer):
             return loss
         rt = st.runtime
         groups = self._group_index()
-        for chunk in self._chunks():
-            runs = self._runs(chunk, groups)
-            if not runs:
-                continue
-            for kind in (EXP_AVG, EXP_AVG_SQ):
-                block = chunk.add_block(kind, chunk.state_dtype)
-                if not block.tiers:
-                    rt.create(block)
-            tier = self._tier_for(chunk)
-            master, grad, m, v = (chunk.full_precision, chunk.blocks[GRAD], chunk.blocks[EXP_AVG],
-                                  chunk.blocks[EXP_AVG_SQ])
-            param = chunk.blocks[PARAM] if MASTER in chunk.blocks else None  # low-precision copy
-            writes = [master, m, v] + ([param] if param is not None else [])
-            rt.acquire([grad], tier)
-            rt.acquire(writes, tier, write=True)
-            try:
-                w_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (master, grad, m, v))
-                p_flat = rt.data(param, tier) if param is not None else None
-                for start, end, g, step in runs:
-                    group = self.param_groups[g]
-                    beta1, beta2 = group["betas"]
-                    # On the CPU one fused pass of the C++ kernel: low-precision grad in with the
-                    # clip/loss scale folded in, fp32 master/m/v updated, low-precision param out.
-                    # Elsewhere the same math as torch ops (hetero.optim.kernel.adam_step_).
-                    # Square roots as torch's default Adam takes them (bit-identical), or with
-                    # fused=True as torch's fused AdamW does (IEEE sqrt: one pass, faster).
-                    adam_step_(w_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end],
-                               step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                               weight_decay=group["weight_decay"], decoupled=self._decoupled,
-                               grad_scale=chunk.grad_scale,
-                               param_out=None if p_flat is None else p_flat[start:end],
-                               sqrt="ieee" if group.get("fused") else "torch")
-                for s in chunk.slots:
-                    if id(s.param) in groups and s.has_grad:
-                        s.step += 1
-            finally:
-                rt.release([grad] + writes, tier)
+        work = [(c, runs) for c in self._chunks() if (runs := self._runs(c, groups))]
+        if NVME not in rt.tiers:  # nothing can fail half-way
+            for chunk, runs in work:
+                self._step_chunk(chunk, runs, groups, shadow=False)
+            st.end_step()
+            return loss
+        steps = [(s, s.step) for chunk, _ in work for s in chunk.slots]
+        try:
+            with rt.transaction():
+                while True:
+                    moving = [w for w in work if not self._in_place(w[0])]
+                    if not moving:
+                        break
+                    for chunk, runs in moving:
+                        self._step_chunk(chunk, runs, groups, shadow=True)
+                    work = [w for w in work if w not in moving]
+                    rt.drain()
+                rt.set_prefetching(False)
+                try:
+                    for chunk, runs in work:
+                        self._step_chunk(chunk, runs, groups, shadow=False)
+                finally:
+                    rt.set_prefetching(True)
+        except BaseException:
+            for slot, n in steps:
+                slot.step = n
+            raise
         st.end_step()
         return loss
+
+    def _step_chunk(self, chunk: Chunk, runs: list[tuple[int, int, int, int]], groups: dict[int, int],
+                    shadow: bool) -> None:
+        rt = self._state.runtime
+        for kind in (EXP_AVG, EXP_AVG_SQ):
+            block = chunk.add_block(kind, chunk.state_dtype)
+            if not block.tiers:
+                rt.create(block)
+        tier = self._tier_for(chunk)
+        master, grad, m, v = (chunk.full_precision, chunk.blocks[GRAD], chunk.blocks[EXP_AVG],
+                              chunk.blocks[EXP_AVG_SQ])
+        param = chunk.blocks[PARAM] if MASTER in chunk.blocks else None  # low-precision copy
+        writes = self._written(chunk)
+        if shadow:
+            for block in writes:
+                rt.ensure_shadow(block, tier)
+        rt.acquire([grad], tier)
+        try:
+            rt.acquire(writes, tier, write=True)
+        except BaseException:
+            rt.release([grad], tier)
+            raise
+        try:
+            w_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (master, grad, m, v))
+            p_flat = rt.data(param, tier) if param is not None else None
+            for start, end, g, step in runs:
+                group = self.param_groups[g]
+                beta1, beta2 = group["betas"]
+                # On the CPU one fused pass of the C++ kernel: low-precision grad in with the
+                # clip/loss scale folded in, fp32 master/m/v updated, low-precision param out.
+                # Elsewhere the same math as torch ops (hetero.optim.kernel.adam_step_).
+                # Square roots as torch's default Adam takes them (bit-identical), or with
+                # fused=True as torch's fused AdamW does (IEEE sqrt: one pass, faster).
+                adam_step_(w_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end],
+                           step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                           grad_scale=chunk.grad_scale,
+                           param_out=None if p_flat is None else p_flat[start:end],
+                           sqrt="ieee" if group.get("fused") else "torch")
+            for s in chunk.slots:
+                if id(s.param) in groups and s.has_grad:
+                    s.step += 1
+        finally:
+            rt.release([grad] + writes, tier)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         st = self._state
