@@ -1,0 +1,131 @@
+"""Swap I/O failures in the middle of training: HeteroIOError from the step that hit them, no
+parameter or optimizer state changed by that step, and training goes on (matching eager) once the
+fault is gone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero
+from hetero import engine
+from helpers import assert_same_model, assert_within_budgets, budgets, default_step
+from models import GPT, batches, state_bytes
+
+
+def make() -> GPT:
+    torch.manual_seed(0)
+    return GPT()
+
+
+def snapshot(model: hetero.HeteroModule, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    osd = opt.state_dict()
+    state = {i: {k: v.clone() for k, v in s.items()} for i, s in osd["state"].items()}
+    return sd, state
+
+
+def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (sd_a, st_a), (sd_b, st_b) = a, b
+    assert sd_a.keys() == sd_b.keys()
+    for k in sd_a:
+        assert torch.equal(sd_a[k], sd_b[k]), f"parameter {k} changed"
+    assert st_a.keys() == st_b.keys()
+    for i in st_a:
+        for k in st_a[i]:
+            assert torch.equal(st_a[i][k], st_b[i][k]), f"optimizer state {i}.{k} changed"
+
+
+def swap_requests_per_step(tmp_path) -> int:
+    """How many swap transfers one training step of the faulty configuration makes."""
+    model, opt, data = setup(tmp_path / "count")
+    for b in data[:2]:
+        default_step(model, opt, b)
+    model._hetero_state.runtime.drain()
+    snapshot(model, opt)  # as the test does: its reads move blocks too
+    counter = {"n": 0}
+    real = engine._take_fault
+
+    def counting() -> str:
+        counter["n"] += 1
+        return real()
+
+    engine._take_fault = counting
+    try:
+        default_step(model, opt, data[2])
+        model._hetero_state.runtime.drain()
+    finally:
+        engine._take_fault = real
+    model.close()
+    return counter["n"]
+
+
+def setup(path) -> tuple[hetero.HeteroModule, torch.optim.Optimizer, list]:
+    total = state_bytes(make())
+    model = hetero.wrap(make(), **budgets(total, 0.2, 0.3, path), chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, opt, batches(6, seed=3)
+
+
+@pytest.mark.parametrize("kind", ["eio", "enospc", "short"])
+def test_fault_anywhere_in_a_step_changes_nothing_and_training_goes_on(kind, tmp_path) -> None:
+    n = swap_requests_per_step(tmp_path)
+    assert n > 20, "the configuration must swap during a step"
+    # Faults at spread-out positions: forward, backward and optimizer step transfers alike.
+    for k, after in enumerate(sorted({0, 1, n // 5, n // 3, n // 2, (2 * n) // 3, (4 * n) // 5, n - 2})):
+        model, opt, data = setup(tmp_path / f"{kind}{k}")
+        ref = make()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        for b in data[:2]:
+            default_step(model, opt, b)
+            default_step(ref, ref_opt, b)
+        model._hetero_state.runtime.drain()
+        before = snapshot(model, opt)
+        engine.inject_fault(kind, after=after)
+        try:
+            with pytest.raises(hetero.HeteroIOError):
+                default_step(model, opt, data[2])
+                model._hetero_state.runtime.drain()  # a write-back failing after the step ends
+        finally:
+            engine.inject_fault("none")
+        opt.zero_grad()
+        assert_same_state(snapshot(model, opt), before)
+        # Cleared: the failed step is redone and training matches eager to the end.
+        for b in data[2:]:
+            assert default_step(model, opt, b) == pytest.approx(default_step(ref, ref_opt, b), rel=1e-5)
+        assert_same_model(ref, model)
+        assert_within_budgets(model)
+        model.close()
+
+
+def test_fault_in_the_optimizer_step_on_nvme_resident_state_rolls_back(tmp_path) -> None:
+    """Optimizer states on NVMe only (the device holds one unit, the host one chunk's step): a
+    read failing in the middle of step() leaves every parameter and state as before."""
+    total = state_bytes(make())
+    model = hetero.wrap(make(), device="cpu", device_budget=int(total * 0.15),
+                        host_budget=int(total * 0.2), nvme_path=str(tmp_path), chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches(4, seed=5)
+    for b in data[:2]:
+        default_step(model, opt, b)
+    rt = model._hetero_state.runtime
+    on_nvme = [b for b in rt.blocks() if b.kind == "exp_avg" and rt.top(b) == "nvme"]
+    assert on_nvme, "the configuration must keep optimizer states on NVMe"
+    x, y = data[2]
+    model(x, y).backward()
+    rt.drain()
+    before = snapshot(model, opt)
+    for after in (3, 10, 25):
+        engine.inject_fault("eio", after=after)
+        try:
+            with pytest.raises(hetero.HeteroIOError):
+                opt.step()
+                rt.drain()
+        finally:
+            engine.inject_fault("none")
+        assert_same_state(snapshot(model, opt), before)
+    opt.step()  # gradients are still there: the step now goes through
+    after_step = snapshot(model, opt)
+    assert any(not torch.equal(after_step[0][k], before[0][k]) for k in before[0])
+    assert_within_budgets(model)
+    model.close()
