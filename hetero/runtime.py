@@ -148,7 +148,10 @@ class Runtime:
         swap = None
         if cfg.nvme_path is not None:
             capacities[NVME] = cfg.nvme_budget
-            swap = SwapSpace(cfg.nvme_path, cfg.nvme_budget, slot, max(sizes, default=0))
+            # Swap files are sized (and their space reserved) for what they can ever hold: the
+            # whole state plus its shadows during an optimizer step — not the rest of the budget,
+            # which defaults to most of the disk.
+            swap = SwapSpace(cfg.nvme_path, min(cfg.nvme_budget, 2 * needed * slot), slot, max(sizes, default=0))
         return cls(capacities, slot, policy, TierStorage(cfg.device, arena, swap), cfg.prefetch)
 
     # ------------------------------------------------------------------ queries
@@ -545,6 +548,8 @@ class Runtime:
                 continue
             windows = [w for w in (p.window(block.nbytes, lambda b: self._evictable(b, tier, protect))
                                    for p in self.storage.pools(tier)) if w is not None]
+            if not windows and self._drop_shadow(tier):
+                continue
             if not windows:
                 raise HeteroOOMError(self._oom_message(
                     block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))
