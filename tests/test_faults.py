@@ -71,8 +71,10 @@ def setup(path) -> tuple[hetero.HeteroModule, torch.optim.Optimizer, list]:
 def test_fault_anywhere_in_a_step_changes_nothing_and_training_goes_on(kind, tmp_path) -> None:
     n = swap_requests_per_step(tmp_path)
     assert n > 20, "the configuration must swap during a step"
-    # Faults at spread-out positions: forward, backward and optimizer step transfers alike.
-    for k, after in enumerate(sorted({0, 1, n // 5, n // 3, n // 2, (2 * n) // 3, (4 * n) // 5, n - 2})):
+    # Faults at spread-out positions: forward, backward and optimizer step transfers alike (every
+    # kind is an error the same way, so the other kinds get fewer positions).
+    fractions = (0, 0.2, 0.4, 0.6, 0.8, 1) if kind == "eio" else (0.1, 0.5, 0.9)
+    for k, after in enumerate(sorted({min(n - 2, int(f * n)) for f in fractions})):
         model, opt, data = setup(tmp_path / f"{kind}{k}")
         ref = make()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
