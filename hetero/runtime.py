@@ -268,6 +268,7 @@ class Runtime:
             n = block.pins.get(tier, 0)
             assert n > 0, f"{block} released on {tier} without being acquired"
             block.pins[tier] = n - 1
+        self._pump(finish=False)  # start the next stage of a multi-stage prefetch early
 
     def read(self, block: Block) -> torch.Tensor:
         """A CPU copy of ``block``'s data, wherever it lives (not recorded as a compute access)."""
@@ -699,10 +700,11 @@ class Runtime:
         busy = any(o.state == "queued" or (o.handle is not None and not o.handle.done()) for o in ops)
         self._wait_for(ops, stall and busy, block)
 
-    def _pump(self) -> None:
-        """Retire finished transfers and start those whose conflicts are gone; never blocks."""
+    def _pump(self, finish: bool = True) -> None:
+        """Retire finished transfers (unless ``finish`` is False: then no error can surface here)
+        and start those whose conflicts are gone; never blocks."""
         for op in list(self._ops):
-            if op.state == "running" and (op.handle is None or op.handle.done()):
+            if finish and op.state == "running" and (op.handle is None or op.handle.done()):
                 self._finish(op)
             elif op.state == "queued" and all(d.state == "finished" for d in op.deps):
                 self._start(op)
