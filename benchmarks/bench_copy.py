@@ -128,16 +128,28 @@ def bench_cpu_bandwidth(sizes: list[int], reps: int, threads: int) -> dict[str, 
 
 
 def calibrate(fn_one: Callable[[], None], target_s: float, sync: Callable[[], None]) -> int:
-    """How many calls of fn_one take about target_s."""
+    """How many calls of fn_one take about target_s (median of 5 timed batches of 3 calls)."""
     fn_one()
     sync()
-    t0 = time.perf_counter()
-    k = 3
-    for _ in range(k):
-        fn_one()
-    sync()
-    per = (time.perf_counter() - t0) / k
-    return max(1, round(target_s / per))
+    per = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn_one()
+        sync()
+        per.append((time.perf_counter() - t0) / 3)
+    return max(1, round(target_s / statistics.median(per)))
+
+
+def median_time(fn: Callable[[], None], sync: Callable[[], None], reps: int = 3) -> float:
+    ts = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
 def overlap(copy_batch: dict[str, Callable[[], Callable[[], None]]], compute: Callable[[], None],
@@ -145,10 +157,9 @@ def overlap(copy_batch: dict[str, Callable[[], Callable[[], None]]], compute: Ca
     """compute_s, copy_s, together_s, efficiency, ideal for each way of copying.
 
     copy_batch[name]() submits the copies and returns the function that waits for them."""
-    out: dict[str, dict[str, float]] = {}
-    for name, submit in copy_batch.items():
-        compute_times, alone, together = [], [], []
-        for rnd in range(reps + 1):
+    times = {name: ([], [], []) for name in copy_batch}  # compute, copies alone, together
+    for rnd in range(reps + 1):  # round-robin, so that every way of copying sees the same load
+        for name, submit in copy_batch.items():
             sync()
             t0 = time.perf_counter()
             compute()
@@ -163,10 +174,11 @@ def overlap(copy_batch: dict[str, Callable[[], Callable[[], None]]], compute: Ca
             sync()
             t3 = time.perf_counter()
             if rnd:
-                compute_times.append(t1 - t0)
-                alone.append(t2 - t1)
-                together.append(t3 - t2)
-        c, k, tg = statistics.median(compute_times), statistics.median(alone), statistics.median(together)
+                for series, dt in zip(times[name], (t1 - t0, t2 - t1, t3 - t2)):
+                    series.append(dt)
+    out: dict[str, dict[str, float]] = {}
+    for name, series in times.items():
+        c, k, tg = (statistics.median(x) for x in series)
         out[name] = {"compute_s": c, "copy_s": k, "together_s": tg,
                      "efficiency": (c + k) / tg, "ideal": (c + k) / max(c, k)}
     return out
@@ -197,13 +209,8 @@ def bench_cpu_overlap(copy_bytes: int, n_copies: int, reps: int, engine_threads:
 
     batch = {name: via(e) for name, e in engines.items() if e}
     first = next(iter(batch.values()))
-    t0 = time.perf_counter()
-    first()()
-    copy_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    first()()  # warm, second measure
-    copy_s = min(copy_s, time.perf_counter() - t0)
-    iters = calibrate(one_matmul, copy_s, nothing)
+    first()()  # warm-up
+    iters = calibrate(one_matmul, median_time(lambda: first()(), nothing), nothing)
 
     def compute() -> None:
         for _ in range(iters):
@@ -306,12 +313,8 @@ def bench_cuda(sizes: list[int], reps: int, threads: int, overlap_bytes: int, ov
             d.copy_(s, non_blocking=True)
         return nothing
 
-    via_engine()()
-    sync()
-    t0 = time.perf_counter()
-    via_engine()()
-    copy_s = time.perf_counter() - t0
-    iters = calibrate(one_matmul, copy_s, sync)
+    via_engine()()  # warm-up
+    iters = calibrate(one_matmul, median_time(lambda: via_engine()(), sync), sync)
 
     def compute() -> None:
         for _ in range(iters):
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu_h2h = bench_cpu_bandwidth(sizes, reps, args.threads)
     table(f"CPU host->host, engine {args.threads} threads, torch {torch_threads} threads", cpu_h2h)
     ov_bytes, ov_n = (8 << 20, 8) if args.quick else (32 << 20, 8)
-    cpu_ov = bench_cpu_overlap(ov_bytes, ov_n, reps, args.overlap_threads)
+    cpu_ov = bench_cpu_overlap(ov_bytes, ov_n, max(reps, 7), args.overlap_threads)
     torch.set_num_threads(torch_threads)
     overlap_table(f"CPU overlap: {ov_n} x {size_name(ov_bytes)} host copies vs {cpu_ov['matmuls']} "
                   f"384x384 matmuls on {cpu_ov['compute_threads']} torch thread(s), engine "
