@@ -43,8 +43,11 @@ SOURCES = sorted(
 )
 
 if USE_CUDA:
+    # HETERO_CUDA compiles the CUDA path of the copy engine (csrc/copy.cpp): streams and events.
     ext = cpp_extension.CUDAExtension(
-        "hetero._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3"]},
+        "hetero._C", SOURCES,
+        extra_compile_args={"cxx": [*CXX_FLAGS, "-DHETERO_CUDA"],
+                            "nvcc": ["-O3", "-DHETERO_CUDA"]},
         extra_link_args=LINK_FLAGS,
     )
 else:

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "aio.h"
+#include "copy.h"
 #include "cpu_adam.h"
 
 namespace py = pybind11;
@@ -45,6 +46,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("poll", &IOEngine::poll, py::arg("handle"))
       .def("shutdown", &IOEngine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_threads", &IOEngine::num_threads);
+
+  // ---- Copy engine (csrc/copy.h); hetero.copies is the Python face.
+  m.attr("COPY_CUDA") = hetero::CopyEngine::has_cuda();
+  py::class_<hetero::CopyHandle>(m, "CopyHandle", "One queued copy of a CopyEngine.")
+      .def("wait", &hetero::CopyHandle::wait, py::call_guard<py::gil_scoped_release>(),
+           "Block (GIL released) until the copy is complete; RuntimeError if it failed.")
+      .def("done", &hetero::CopyHandle::done, "Whether the copy is complete; never blocks.")
+      .def("wait_on_stream", &hetero::CopyHandle::wait_on_stream, py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Make a CUDA stream (cudaStream_t as int) wait for the copy on the GPU.")
+      .def_property_readonly("nbytes", &hetero::CopyHandle::nbytes)
+      .def_property_readonly("kind", &hetero::CopyHandle::kind);
+  py::class_<hetero::CopyEngine>(m, "CopyEngine",
+                                 "Asynchronous host/device tensor copies: worker threads for "
+                                 "host copies, dedicated CUDA streams for device copies.")
+      .def(py::init<int>(), py::arg("num_threads") = 2)
+      .def("copy", &hetero::CopyEngine::copy, py::arg("dst"), py::arg("src"), py::kw_only(),
+           py::arg("after_stream") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           "Queue dst <- src (contiguous, same dtype and numel); returns a CopyHandle at once.")
+      .def("shutdown", &hetero::CopyEngine::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_threads", &hetero::CopyEngine::num_threads);
 
   // ---- CPU Adam (csrc/cpu_adam.h); hetero.optim.kernel is the Python face.
   m.def(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -51,3 +52,165 @@ def test_cuda_training_matches_eager(split, tmp_path) -> None:
 def test_host_arena_is_pinned() -> None:
     wrapped = hetero.wrap(make(), device="cuda", chunk_size="8KiB")
     assert wrapped._hetero_state.runtime.storage.arena.buffer.is_pinned()
+
+
+# ---- the copy engine (hetero.copies) on the GPU
+
+
+@pytest.fixture(params=["extension", "python"])
+def copy_engine(request, monkeypatch):
+    from hetero import copies
+
+    if request.param == "extension":
+        if copies._C is None:
+            pytest.skip(f"hetero._C not built: {copies.EXTENSION_ERROR}")
+        if not copies._C.COPY_CUDA:
+            pytest.skip("hetero._C was built without CUDA (HETERO_CUDA)")
+        monkeypatch.delenv("HETERO_FORCE_PYTHON_COPY", raising=False)
+    else:
+        monkeypatch.setenv("HETERO_FORCE_PYTHON_COPY", "1")
+    eng = copies.CopyEngine(num_threads=2)
+    assert eng.backend == request.param
+    yield eng
+    eng.shutdown()
+
+
+def random_bytes(n: int, seed: int, pin: bool = True) -> torch.Tensor:
+    t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return t.pin_memory() if pin else t
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 1 << 20, (32 << 20) + 3])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16])
+def test_copy_engine_round_trips_are_byte_exact(copy_engine, nbytes, dtype) -> None:
+    size = torch.empty(0, dtype=dtype).element_size()
+    n = max(1, nbytes // size)
+    host = random_bytes(n * size, nbytes).view(dtype)
+    after = torch.cuda.current_stream().cuda_stream
+    dev = torch.empty(n, dtype=dtype, device="cuda")
+    h = copy_engine.copy(dev, host, after_stream=after)
+    assert h.kind == "h2d" and h.nbytes == n * size
+    h.wait()
+    assert h.done()
+    assert torch.equal(dev.cpu().view(torch.uint8), host.view(torch.uint8))
+    dev2 = torch.empty_like(dev)
+    hd = copy_engine.copy(dev2, dev, after_stream=after)
+    assert hd.kind == "d2d"
+    hd.wait()
+    back = torch.empty(n, dtype=dtype).pin_memory()
+    hb = copy_engine.copy(back, dev2, after_stream=after)
+    assert hb.kind == "d2h"
+    hb.wait()
+    assert torch.equal(back.view(torch.uint8), host.view(torch.uint8))
+
+
+def test_copy_engine_pageable_host_memory(copy_engine) -> None:
+    host = random_bytes(3 << 20, 1, pin=False)
+    dev = torch.empty_like(host, device="cuda")
+    copy_engine.copy(dev, host, after_stream=torch.cuda.current_stream()).wait()
+    back = torch.empty_like(host)
+    copy_engine.copy(back, dev).wait()
+    assert torch.equal(back, host)
+
+
+def test_after_stream_orders_a_d2h_after_the_kernel_that_wrote_it(copy_engine) -> None:
+    """The compute stream is kept busy, then writes x; the D2H must see the written values."""
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        x = torch.zeros(8 << 20, device="cuda")
+        torch.cuda.synchronize()
+        out = torch.empty(8 << 20).pin_memory()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time (at 2 GHz) before the write
+            x.fill_(3.0)
+        t0 = time.perf_counter()
+        h = copy_engine.copy(out, x, after_stream=stream.cuda_stream)
+        submit_s = time.perf_counter() - t0
+        assert not h.done()  # the GPU is still sleeping: the wait is on the GPU, not the host
+        h.wait()
+        assert bool((out == 3.0).all()), "the D2H ran before the kernel that wrote its source"
+        assert submit_s < 0.03, f"copy() blocked the host for {submit_s:.3f} s"
+    out2 = torch.empty(8 << 20).pin_memory()
+    x2 = torch.zeros(8 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)
+    x2.fill_(5.0)
+    copy_engine.copy(out2, x2, after_stream=torch.cuda.current_stream()).wait()  # a Stream object
+    assert bool((out2 == 5.0).all())
+
+
+def test_after_stream_orders_a_host_copy_after_a_d2h_on_that_stream(copy_engine) -> None:
+    x = torch.full((1 << 20,), 7.0, device="cuda")
+    pinned = torch.zeros(1 << 20).pin_memory()
+    final = torch.zeros(1 << 20)
+    s = torch.cuda.current_stream()
+    torch.cuda._sleep(50_000_000)
+    pinned.copy_(x, non_blocking=True)  # queued on the current stream behind the sleep
+    h = copy_engine.copy(final, pinned, after_stream=s.cuda_stream)
+    assert h.kind == "h2h"
+    h.wait()
+    assert bool((final == 7.0).all())
+
+
+def test_wait_on_stream_orders_compute_after_an_h2d(copy_engine) -> None:
+    host = torch.full((64 << 20,), 2.0).pin_memory()
+    dev = torch.empty(64 << 20, device="cuda")
+    stream = torch.cuda.current_stream()
+    h = copy_engine.copy(dev, host, after_stream=stream.cuda_stream)
+    h.wait_on_stream(stream)  # the host does not block; the compute stream waits
+    all_written = (dev == 2.0).all()  # queued on the compute stream, behind the copy
+    assert bool(all_written)
+    h.wait()
+
+
+def test_many_concurrent_cuda_copies(copy_engine) -> None:
+    gen = torch.Generator().manual_seed(11)
+    after = torch.cuda.current_stream().cuda_stream
+    jobs = []
+    for i in range(120):
+        n = int(torch.randint(1, 3 << 20, (1,), generator=gen))
+        host = random_bytes(n, i)
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        jobs.append((host, dev, torch.empty(n, dtype=torch.uint8).pin_memory()))
+    h2d = [copy_engine.copy(dev, host, after_stream=after) for host, dev, _ in jobs]
+    for h in h2d:
+        h.wait_on_stream(torch.cuda.current_stream())
+    d2h = [copy_engine.copy(back, dev, after_stream=after) for _, dev, back in jobs]
+    for h in reversed(d2h):
+        h.wait()
+    assert all(h.done() for h in h2d + d2h)
+    for host, _, back in jobs:
+        assert torch.equal(back, host)
+
+
+def test_shutdown_synchronizes_cuda_copies(copy_engine) -> None:
+    host = random_bytes(16 << 20, 3)
+    devs = [torch.empty(16 << 20, dtype=torch.uint8, device="cuda") for _ in range(8)]
+    handles = [copy_engine.copy(d, host, after_stream=torch.cuda.current_stream()) for d in devs]
+    copy_engine.shutdown()
+    assert all(h.done() for h in handles)
+    for h in handles:
+        h.wait()
+    assert all(torch.equal(d.cpu(), host) for d in devs)
+    with pytest.raises(RuntimeError, match="shut down"):
+        copy_engine.copy(devs[0], host)
+
+
+def test_copy_engine_cuda_argument_errors(copy_engine) -> None:
+    with pytest.raises(ValueError, match="elements"):
+        copy_engine.copy(torch.empty(10, device="cuda"), torch.empty(11).pin_memory())
+    with pytest.raises(ValueError, match="not contiguous"):
+        copy_engine.copy(torch.empty(4, 4, device="cuda").t(), torch.empty(16))
+    with pytest.raises(ValueError, match="dtype"):
+        copy_engine.copy(torch.empty(4, device="cuda"), torch.empty(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="after_stream"):
+        copy_engine.copy(torch.empty(4, device="cuda"), torch.empty(4), after_stream=-1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_copy_engine_across_devices(copy_engine) -> None:
+    host = random_bytes(5 << 20, 4)
+    a = host.to("cuda:0")
+    b = torch.empty_like(host, device="cuda:1")
+    h = copy_engine.copy(b, a)
+    assert h.kind == "d2d"
+    h.wait()
+    assert torch.equal(b.cpu(), host)
