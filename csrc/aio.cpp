@@ -192,10 +192,7 @@ IOEngine::IOEngine(int num_threads, const std::string& backend, int64_t block_si
                             "liburing)");
   if (backend == "auto") backend_note_ = "hetero._C was built without liburing";
 #endif
-  if (kind_ == Kind::kThreads) {
-    threads_.reserve(num_threads);
-    for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { worker(); });
-  }
+  if (kind_ == Kind::kThreads) grow_workers(std::max(num_threads, queue_depth));
   backend_name_ = kind_ == Kind::kIOUring ? "io_uring" : "threads";
 }
 
@@ -228,8 +225,12 @@ void IOEngine::set_tuning(int64_t block_size, int queue_depth) {
     block_size_ = block_size;
     queue_depth_ = queue_depth;
   }
+  if (kind_ == Kind::kThreads) {
+    grow_workers(std::max(num_threads_, queue_depth));
+    work_cv_.notify_all();  // a deeper queue may admit more chunks now
+  }
 #ifdef HETERO_HAVE_LIBURING
-  if (uring_) uring_wake();  // a deeper queue may admit more chunks now
+  if (uring_) uring_wake();
 #endif
 }
 
@@ -415,9 +416,12 @@ void IOEngine::shutdown() {
     stopping_ = true;
   }
   work_cv_.notify_all();
-  for (auto& t : threads_)
-    if (t.joinable()) t.join();
-  threads_.clear();
+  {
+    std::lock_guard<std::mutex> lk(threads_mu_);
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+    threads_.clear();
+  }
 #ifdef HETERO_HAVE_LIBURING
   if (uring_ && uring_->thread.joinable()) {
     uring_wake();
@@ -513,17 +517,34 @@ void IOEngine::finish_request(Request& r) {
 // ---------------------------------------------------------------------------------------------
 // threads backend
 
+void IOEngine::grow_workers(int n) {
+  std::lock_guard<std::mutex> lk(threads_mu_);
+  {
+    std::lock_guard<std::mutex> lk2(mu_);
+    if (stopping_) return;
+  }
+  while (static_cast<int>(threads_.size()) < n) threads_.emplace_back([this] { worker(); });
+}
+
 void IOEngine::worker() {
   for (;;) {
     Chunk c;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      work_cv_.wait(lk, [&] { return stopping_ || !pending_.empty(); });
+      work_cv_.wait(lk, [&] {
+        return pending_.empty() ? stopping_ : busy_ < queue_depth_;
+      });
       if (pending_.empty()) return;  // stopping, and the queue is drained
       next_chunk(c);
+      ++busy_;
     }
     prepare_chunk(c);
     finish_chunk(c, c.injected ? -c.inject_res : run_sync(c));
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      --busy_;
+    }
+    work_cv_.notify_one();  // a slot is free for a worker held back by queue_depth
   }
 }
 

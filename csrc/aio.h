@@ -6,8 +6,8 @@
 //   io_uring  one ring (liburing) owned by one completion thread, which submits chunks, reaps
 //             their completions and resubmits short transfers; submitters wake it via an eventfd
 //             whose read sits in the ring. Built only with -DHETERO_HAVE_LIBURING.
-//   threads   a fixed pool of workers doing blocking pread/pwrite of one chunk each; the number
-//             of workers bounds the chunks in flight.
+//   threads   a pool of max(num_threads, queue_depth) workers doing blocking pread/pwrite of one
+//             chunk each, at most queue_depth of them busy at once.
 // Workers never touch Python; the bindings release the GIL while waiting.
 //
 // Optional checksums: with `checksum` on, every chunk written gets a CRC32C recorded under
@@ -155,6 +155,7 @@ class IOEngine {
   void chunk_succeeded(Chunk& c);
 
   void worker();  // threads backend
+  void grow_workers(int n);  // threads backend: at least n workers (never shrinks)
   // Blocking transfer of the chunk's remaining bytes; 0 or the errno (c.moved = progress).
   static int run_sync(Chunk& c);
 
@@ -175,7 +176,7 @@ class IOEngine {
   const bool checksum_;
 
   mutable std::mutex mu_;
-  std::condition_variable work_cv_;  // threads: pending_ gained an item, or stopping_
+  std::condition_variable work_cv_;  // threads: work, a free slot (busy_ fell) or stopping_
   std::condition_variable done_cv_;  // some request finished
   std::deque<std::shared_ptr<Request>> pending_;  // requests with chunks not yet handed out
   std::unordered_map<int64_t, std::shared_ptr<Request>> requests_;
@@ -184,6 +185,8 @@ class IOEngine {
   int queue_depth_;
   bool stopping_ = false;
   bool stopped_ = false;
+  int busy_ = 0;  // threads: chunks being transferred
+  std::mutex threads_mu_;  // guards threads_
   std::vector<std::thread> threads_;
 
   std::mutex csum_mu_;

@@ -37,7 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("backend") = "auto", py::arg("block_size") = int64_t(1) << 20,
            py::arg("queue_depth") = 32, py::arg("checksum") = false,
            "backend 'auto' | 'io_uring' | 'threads' (OSError if io_uring is asked for and "
-           "unavailable); num_threads sizes the threads backend's pool.")
+           "unavailable); the threads backend runs max(num_threads, queue_depth) workers.")
       .def(
           "open",
           [](IOEngine& e, const std::string& path, int64_t size, bool direct, bool preallocate) {

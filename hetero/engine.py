@@ -41,8 +41,9 @@ Backends (``backend=`` or ``HETERO_IO_BACKEND``; ``auto`` by default):
   all requests; one completion thread outside Python submits, reaps and resubmits short
   transfers. ``auto`` picks it when the extension was built with liburing and the kernel lets us
   create a ring.
-- ``threads``: the same engine on ``num_threads`` workers doing blocking pread/pwrite of one
-  sub-request each (what ``auto`` falls back to; ``queue_depth`` is then bounded by the workers).
+- ``threads``: the same engine on a pool of ``max(num_threads, queue_depth)`` workers doing
+  blocking pread/pwrite of one sub-request each, at most ``queue_depth`` at once (what ``auto``
+  falls back to).
 - ``python``: a pure-Python pool of ``os.pread``/``os.pwrite``, used when the extension is not
   built (one RuntimeWarning) or forced (``HETERO_FORCE_PYTHON_IO=1``, or ``backend="python"``);
   whole requests, no splitting.
@@ -497,7 +498,8 @@ class Handle:
 class SwapIO:
     """The NVMe tier's swap-file transfers (see the module docstring for backends and tuning).
 
-    ``num_threads``: workers of the threads / python backends. ``backend``: None reads
+    ``num_threads``: workers of the python backend, and the least the threads backend starts
+    (it runs ``max(num_threads, queue_depth)``). ``backend``: None reads
     HETERO_FORCE_PYTHON_IO / HETERO_IO_BACKEND, default "auto". ``block_size`` / ``queue_depth``:
     None takes HETERO_IO_BLOCK_SIZE / HETERO_IO_QUEUE_DEPTH, else the auto-tuned value (probe or
     cache, on the first open). ``checksum``: None reads HETERO_IO_CHECKSUM (default off).
