@@ -529,15 +529,24 @@ void IOEngine::grow_workers(int n) {
 void IOEngine::worker() {
   for (;;) {
     Chunk c;
+    bool more;
     {
       std::unique_lock<std::mutex> lk(mu_);
       work_cv_.wait(lk, [&] {
         return pending_.empty() ? stopping_ : busy_ < queue_depth_;
       });
-      if (pending_.empty()) return;  // stopping, and the queue is drained
+      if (pending_.empty()) {
+        // Stopping and drained. Wake every other idle worker: they went to sleep while there
+        // was still work, and no notification would otherwise tell them it is gone.
+        lk.unlock();
+        work_cv_.notify_all();
+        return;
+      }
       next_chunk(c);
       ++busy_;
+      more = !pending_.empty() && busy_ < queue_depth_;
     }
+    if (more) work_cv_.notify_one();  // submit woke one worker: fan out the rest of the work
     prepare_chunk(c);
     finish_chunk(c, c.injected ? -c.inject_res : run_sync(c));
     {

@@ -270,6 +270,22 @@ def test_shutdown_keeps_results_and_refuses_new_work(io, tmp_path):
     io.shutdown()  # idempotent
 
 
+@pytest.mark.parametrize("backend", NATIVE)
+def test_shutdown_with_work_queued_behind_the_queue_depth_does_not_hang(tmp_path, backend):
+    """Regression: workers idled by queue_depth while work was queued must still see the end."""
+    for i in range(5):
+        io = make_io(backend, block_size=PAGE, queue_depth=1)  # threads: 4 workers, 1 busy
+        f = io.open(tmp_path / f"queued{i}.bin", 8 * PAGE)
+        handles = [io.read(f, 0, engine.aligned_empty(8 * PAGE)) for _ in range(8)]
+        stopper = threading.Thread(target=io.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(30)
+        assert not stopper.is_alive(), "shutdown hung"
+        for h in handles:
+            h.wait()
+        io.close(f)
+
+
 def test_wait_releases_the_gil(io, tmp_path):
     """While the main thread waits on a large transfer, another Python thread keeps running."""
     f = io.open(tmp_path / "gil.bin", 0)
