@@ -19,7 +19,6 @@ import subprocess
 import threading
 import time
 import warnings
-import zlib
 
 import pytest
 import torch
@@ -351,7 +350,7 @@ def test_extension_is_built_in_ci(monkeypatch):
     with engine.SwapIO(1) as io:
         assert io.backend in NATIVE
     if engine.available_backends()[0] != "io_uring":  # .ci/run installs liburing-dev, best effort
-        warnings.warn(f"CI runs without io_uring: {engine._C.io_uring_available()[1]}")
+        warnings.warn(f"CI runs without io_uring: {engine._C.io_uring_available()[1]}", stacklevel=1)
 
 
 # ---- splitting, concurrency, buffered I/O ----------------------------------------------------
@@ -644,7 +643,7 @@ def test_open_reserves_the_space(io, tmp_path):
         io.open(tmp_path / "negative.bin", -1)
 
 
-def test_injected_open_failure_leaves_no_file(io, tmp_path, monkeypatch):
+def test_failed_reservation_leaves_no_file(io, tmp_path):
     """An open that fails after creating the file removes it (ENOSPC at reservation)."""
     path = tmp_path / "huge.bin"
     with pytest.raises(HeteroIOError) as info:
