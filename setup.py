@@ -18,9 +18,19 @@ architectures get its portable path).
 thread pool through ``at::parallel_for``, whose OpenMP implementation is inline in torch's headers
 and silently runs serially in code compiled without it. The extension then needs ``libgomp.so.1``,
 the OpenMP runtime torch itself loads, so the process keeps a single runtime.
+
+liburing: when a test program including ``<liburing.h>`` compiles and links with ``-luring``
+(Debian: ``apt-get install liburing-dev``), the swap I/O engine gets its io_uring backend
+(``-DHETERO_HAVE_LIBURING``, linked against ``liburing``). Without it the extension still builds
+and the engine runs its thread-pool backend only. ``HETERO_NO_LIBURING=1`` skips the probe.
 """
 
+import os
+import shlex
+import subprocess
 import sys
+import sysconfig
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,6 +43,35 @@ LINK_FLAGS: list[str] = []
 if sys.platform.startswith("linux") and "parallel backend: OpenMP" in torch.__config__.parallel_info():
     CXX_FLAGS.append("-fopenmp")
     LINK_FLAGS.append("-fopenmp")
+
+
+def have_liburing() -> bool:
+    """Whether a program using liburing compiles and links here (headers and library present)."""
+    if os.environ.get("HETERO_NO_LIBURING", "") not in ("", "0"):
+        return False
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "uring_check.c")
+        src.write_text("#include <liburing.h>\n"
+                       "int main(void) { struct io_uring r; return io_uring_queue_init(2, &r, 0); }\n")
+        try:
+            done = subprocess.run([*cc, str(src), "-o", str(Path(tmp, "uring_check")), "-luring"],
+                                  capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return done.returncode == 0
+
+
+MACROS: list[tuple[str, str | None]] = []
+LIBRARIES: list[str] = []
+if sys.platform.startswith("linux") and have_liburing():
+    MACROS.append(("HETERO_HAVE_LIBURING", None))
+    LIBRARIES.append("uring")
+    print("hetero: building the io_uring I/O backend (liburing found)", file=sys.stderr)
+else:
+    print("hetero: liburing not found (apt-get install liburing-dev); the I/O engine gets its "
+          "thread-pool backend only", file=sys.stderr)
+
 USE_CUDA = (torch.cuda.is_available() or torch.version.cuda is not None) and (
     cpp_extension.CUDA_HOME is not None
 )
@@ -48,11 +87,12 @@ if USE_CUDA:
         "hetero._C", SOURCES,
         extra_compile_args={"cxx": [*CXX_FLAGS, "-DHETERO_CUDA"],
                             "nvcc": ["-O3", "-DHETERO_CUDA"]},
-        extra_link_args=LINK_FLAGS,
+        extra_link_args=LINK_FLAGS, define_macros=MACROS, libraries=LIBRARIES,
     )
 else:
     ext = cpp_extension.CppExtension(
-        "hetero._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS
+        "hetero._C", SOURCES, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS,
+        define_macros=MACROS, libraries=LIBRARIES,
     )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": cpp_extension.BuildExtension})

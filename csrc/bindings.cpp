@@ -32,10 +32,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   };
 
   py::class_<IOEngine>(m, "IOEngine",
-                       "Fixed pool of worker threads doing positional swap-file I/O.")
-      .def(py::init<int>(), py::arg("num_threads"))
-      .def("open", &IOEngine::open, py::arg("path"), py::arg("size"), py::arg("direct"),
-           "Open/create (mode 0600) and grow to size; -1 if direct and the fs rejects O_DIRECT.")
+                       "Swap-file I/O engine: whole-tensor requests split into block_size "
+                       "sub-requests, queue_depth of them in flight, on io_uring or a thread pool.")
+      .def(py::init<int, const std::string&, int64_t, int, bool>(), py::arg("num_threads"),
+           py::arg("backend") = "auto", py::arg("block_size") = int64_t(1) << 20,
+           py::arg("queue_depth") = 32, py::arg("checksum") = false,
+           "backend 'auto' | 'io_uring' | 'threads' (OSError if io_uring is asked for and "
+           "unavailable); the threads backend runs max(num_threads, queue_depth) workers.")
+      .def(
+          "open",
+          [](IOEngine& e, const std::string& path, int64_t size, bool direct, bool preallocate) {
+            std::string note;
+            int fd;
+            {
+              py::gil_scoped_release nogil;  // fallocate of a large file takes a while
+              fd = e.open(path, size, direct, preallocate, &note);
+            }
+            if (!note.empty())
+              py::module_::import("logging").attr("getLogger")("hetero.engine")
+                  .attr("warning")("%s: %s", path, note);
+            return fd;
+          },
+          py::arg("path"), py::arg("size"), py::arg("direct"), py::arg("preallocate") = true,
+          "Open/create (mode 0600), reserve (fallocate) and grow to size; OSError(ENOSPC) when "
+          "the space is not there; -1 if direct and the fs rejects O_DIRECT.")
       .def("close", &IOEngine::close, py::arg("fd"))
       .def("submit_write", submit(true), py::arg("fd"), py::arg("tensor"), py::arg("offset"),
            py::arg("fault") = "none", "Queue a pwrite of all of tensor's bytes; returns a handle.")
@@ -43,9 +63,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("fault") = "none", "Queue a pread into all of tensor's bytes; returns a handle.")
       .def("wait", &IOEngine::wait, py::arg("handle"), py::call_guard<py::gil_scoped_release>(),
            "Block (GIL released) until done; OSError on failure. Each handle is waited once.")
+      .def("wait_for", &IOEngine::wait_for, py::arg("handle"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>(),
+           "As wait, but False (handle kept) if not done within timeout seconds.")
       .def("poll", &IOEngine::poll, py::arg("handle"))
       .def("shutdown", &IOEngine::shutdown, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_threads", &IOEngine::num_threads);
+      .def("set_tuning", &IOEngine::set_tuning, py::arg("block_size"), py::arg("queue_depth"),
+           "Sub-request size and chunks in flight for requests submitted from now on.")
+      .def_property_readonly("backend", &IOEngine::backend)
+      .def_property_readonly("backend_note", &IOEngine::backend_note)
+      .def_property_readonly("num_threads", &IOEngine::num_threads)
+      .def_property_readonly("block_size", &IOEngine::block_size)
+      .def_property_readonly("queue_depth", &IOEngine::queue_depth)
+      .def_property_readonly("checksum", &IOEngine::checksum);
+  m.attr("MAX_QUEUE_DEPTH") = hetero::kMaxQueueDepth;
+  m.attr("MAX_BLOCK_SIZE") = hetero::kMaxBlockSize;
+  m.def(
+      "io_uring_available",
+      []() {
+        std::string why;
+        bool ok = hetero::io_uring_available(&why);
+        return py::make_tuple(ok, why);
+      },
+      "(available, reason if not): whether this build and kernel can create an io_uring ring.");
+  m.def(
+      "crc32c",
+      [](const at::Tensor& t, uint32_t crc) {
+        TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous(),
+                          "crc32c needs a contiguous CPU tensor");
+        const void* p = t.data_ptr();
+        size_t n = t.nbytes();
+        py::gil_scoped_release nogil;
+        return hetero::crc32c(p, n, crc);
+      },
+      py::arg("tensor"), py::arg("crc") = 0,
+      "CRC32C of the tensor's bytes (continuing from crc), as the engine's checksums compute it.");
 
   // ---- Copy engine (csrc/copy.h); hetero.copies is the Python face.
   m.attr("COPY_CUDA") = hetero::CopyEngine::has_cuda();

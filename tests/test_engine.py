@@ -1,15 +1,21 @@
-"""Tests of hetero.engine, the NVMe tier's swap-file I/O, on both backends.
+"""Tests of hetero.engine, the NVMe tier's swap-file I/O, on every backend.
 
 Files go under pytest's tmp_path, which must be a real disk file system (not tmpfs) for the
-O_DIRECT paths to run; tests that need O_DIRECT skip where the file system refuses it.
+O_DIRECT paths to run; tests that need O_DIRECT skip where the file system refuses it. The
+fixture's engines use a small block size and queue depth, so even small requests are split into
+several sub-requests with many in flight; tests/conftest.py turns checksums on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import random
+import shutil
 import stat
+import subprocess
 import threading
 import time
 import warnings
@@ -21,18 +27,25 @@ from hetero import engine
 from hetero.errors import HeteroIOError
 
 PAGE = engine.ALIGNMENT
+NATIVE = ("io_uring", "threads")
+BLOCK, DEPTH = 4 * PAGE, 8  # 16 KiB sub-requests, 8 in flight
 
 
-@pytest.fixture(params=["extension", "python"])
+def make_io(backend: str, **kwargs) -> engine.SwapIO:
+    if backend in NATIVE and not engine.has_extension():
+        pytest.skip(f"hetero._C not built: {engine.EXTENSION_ERROR}")
+    if backend not in engine.available_backends():
+        pytest.skip(f"backend {backend} unavailable here")
+    kwargs.setdefault("block_size", BLOCK)
+    kwargs.setdefault("queue_depth", DEPTH)
+    return engine.SwapIO(4, backend=backend, **kwargs)
+
+
+@pytest.fixture(params=["io_uring", "threads", "python"])
 def io(request, monkeypatch):
-    if request.param == "extension":
-        if not engine.has_extension():
-            pytest.skip(f"hetero._C not built: {engine.EXTENSION_ERROR}")
-        monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
-    else:
-        monkeypatch.setenv("HETERO_FORCE_PYTHON_IO", "1")
-    swap_io = engine.SwapIO(num_threads=4)
-    assert swap_io.backend == request.param
+    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
+    swap_io = make_io(request.param)
+    assert swap_io.backend == request.param and swap_io.checksum
     yield swap_io
     swap_io.shutdown()
 
@@ -198,8 +211,8 @@ def test_open_falls_back_when_o_direct_is_refused(io, tmp_path, monkeypatch):
     real = io._engine
 
     class RefusesDirect:  # a file system that rejects O_DIRECT with EINVAL (older tmpfs)
-        def open(self, path: str, size: int, direct: bool) -> int:
-            return -1 if direct else real.open(path, size, False)
+        def open(self, path: str, size: int, direct: bool, preallocate: bool = True) -> int:
+            return -1 if direct else real.open(path, size, False, preallocate)
 
         def __getattr__(self, name: str):
             return getattr(real, name)
@@ -254,6 +267,22 @@ def test_shutdown_keeps_results_and_refuses_new_work(io, tmp_path):
     with pytest.raises(RuntimeError):
         io.write(f, 0, engine.aligned_empty(PAGE))
     io.shutdown()  # idempotent
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_shutdown_with_work_queued_behind_the_queue_depth_does_not_hang(tmp_path, backend):
+    """Regression: workers idled by queue_depth while work was queued must still see the end."""
+    for i in range(5):
+        io = make_io(backend, block_size=PAGE, queue_depth=1)  # threads: 4 workers, 1 busy
+        f = io.open(tmp_path / f"queued{i}.bin", 8 * PAGE)
+        handles = [io.read(f, 0, engine.aligned_empty(8 * PAGE)) for _ in range(8)]
+        stopper = threading.Thread(target=io.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(30)
+        assert not stopper.is_alive(), "shutdown hung"
+        for h in handles:
+            h.wait()
+        io.close(f)
 
 
 def test_wait_releases_the_gil(io, tmp_path):
@@ -319,4 +348,465 @@ def test_extension_is_built_in_ci(monkeypatch):
     assert engine.EXTENSION_ERROR is None
     monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
     with engine.SwapIO(1) as io:
-        assert io.backend == "extension"
+        assert io.backend in NATIVE
+    if engine.available_backends()[0] != "io_uring":  # .ci/run installs liburing-dev, best effort
+        warnings.warn(f"CI runs without io_uring: {engine._C.io_uring_available()[1]}", stacklevel=1)
+
+
+# ---- splitting, concurrency, buffered I/O ----------------------------------------------------
+
+
+def test_unaligned_round_trips_on_a_buffered_file(io, tmp_path):
+    rng, gen = random.Random(11), torch.Generator().manual_seed(11)
+    f = io.open(tmp_path / "buffered-random.bin", 0, direct=False)
+    extents, pos = [], 0
+    for _ in range(64):  # byte-granular sizes and offsets, many spanning several sub-requests
+        pos += rng.randrange(0, 5000)
+        size = rng.randrange(1, 100_000)
+        extents.append((pos, torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)))
+        pos += size
+    for h in [io.write(f, off, buf) for off, buf in extents]:
+        h.wait()
+    outs = [torch.empty_like(buf) for _, buf in extents]
+    for h in [io.read(f, off, out) for (off, _), out in zip(extents, outs)]:
+        h.wait()
+    assert all(torch.equal(out, buf) for (_, buf), out in zip(extents, outs))
+    with open(f.path, "rb") as plain:
+        for off, buf in extents:
+            plain.seek(off)
+            assert plain.read(buf.numel()) == buf.numpy().tobytes()
+
+
+def test_concurrent_submitters(io, tmp_path):
+    """Several Python threads drive one SwapIO at once; every extent round-trips."""
+    nthreads, per_thread, size = 6, 24, 12 * PAGE  # 3 sub-requests each
+    f = io.open(tmp_path / "threads.bin", nthreads * per_thread * size)
+    errors: list[BaseException] = []
+
+    def client(t: int) -> None:
+        try:
+            gen = torch.Generator().manual_seed(t)
+            bufs = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+                    for _ in range(per_thread)]
+            src = [engine.aligned_empty(size).copy_(b) for b in bufs]
+            offs = [(t * per_thread + i) * size for i in range(per_thread)]
+            for h in [io.write(f, o, b) for o, b in zip(offs, src)]:
+                h.wait()
+            outs = [engine.aligned_empty(size) for _ in offs]
+            for h in [io.read(f, o, b) for o, b in zip(offs, outs)]:
+                h.wait()
+            assert all(torch.equal(o, b) for o, b in zip(outs, bufs))
+        except BaseException as exc:  # reported in the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=client, args=(t,)) for t in range(nthreads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+@pytest.mark.parametrize("block_size, queue_depth", [(PAGE, 1), (PAGE, 256), (3 * PAGE, 5),
+                                                     (1 << 20, 32)])
+def test_split_requests_round_trip(tmp_path, backend, block_size, queue_depth):
+    """One request per extent, split in sub-requests of any size, with few or many in flight;
+    the last sub-request of a request is shorter when block_size does not divide it."""
+    with make_io(backend, block_size=block_size, queue_depth=queue_depth) as io:
+        assert (io.block_size, io.queue_depth) == (block_size, queue_depth)
+        gen = torch.Generator().manual_seed(block_size + queue_depth)
+        sizes = [PAGE, 7 * PAGE, 64 * PAGE, 300 * PAGE]
+        offs = [sum(sizes[:i]) for i in range(len(sizes))]
+        f = io.open(tmp_path / "split.bin", sum(sizes))
+        bufs = [random_buffer(n, gen) for n in sizes]
+        for h in [io.write(f, o, b) for o, b in zip(offs, bufs)]:
+            h.wait()
+        outs = [engine.aligned_empty(n) for n in sizes]
+        for h in [io.read(f, o, b) for o, b in zip(offs, outs)]:
+            h.wait()
+        assert all(torch.equal(o, b) for o, b in zip(outs, bufs))
+        io.close(f)
+
+
+def test_zero_byte_transfer_is_done_at_once(io, tmp_path):
+    f = io.open(tmp_path / "empty.bin", PAGE)
+    h = io.write(f, 0, engine.aligned_empty(0))
+    h.wait()
+    assert h.done()
+    io.read(f, PAGE, engine.aligned_empty(0)).wait()
+
+
+def test_wait_with_timeout(io, tmp_path):
+    f = io.open(tmp_path / "timeout.bin", 256 * PAGE)
+    h = io.write(f, 0, engine.aligned_empty(256 * PAGE))
+    h.wait(timeout=30)  # plenty
+    assert h.done()
+    h.wait(timeout=0)  # already waited: repeats the outcome at once
+
+
+def test_wait_timeout_raises_and_handle_stays_valid(monkeypatch, tmp_path):
+    """A deterministic TimeoutError: the python backend's transfer is held on a gate."""
+    io = make_io("python")
+    gate = threading.Event()
+    real = engine._PyIOEngine._transfer
+
+    def gated(self, *args):
+        gate.wait(10)
+        return real(self, *args)
+
+    monkeypatch.setattr(engine._PyIOEngine, "_transfer", gated)
+    f = io.open(tmp_path / "gated.bin", PAGE)
+    h = io.write(f, 0, engine.aligned_empty(PAGE))
+    with pytest.raises(TimeoutError, match="still running"):
+        h.wait(timeout=0.01)
+    assert not h.done()
+    gate.set()
+    h.wait()
+    assert h.done()
+    io.shutdown()
+
+
+# ---- backend selection and argument errors ----------------------------------------------------
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
+    monkeypatch.delenv("HETERO_IO_BACKEND", raising=False)
+    native = engine.has_extension()
+    with engine.SwapIO(1, block_size=BLOCK, queue_depth=DEPTH) as io:
+        assert io.backend == engine.available_backends()[0]
+    for name in engine.available_backends():
+        monkeypatch.setenv("HETERO_IO_BACKEND", name)
+        with engine.SwapIO(1, block_size=BLOCK, queue_depth=DEPTH) as io:
+            assert io.backend == name
+    monkeypatch.setenv("HETERO_IO_BACKEND", "threads" if native else "python")
+    monkeypatch.setenv("HETERO_FORCE_PYTHON_IO", "1")  # the older switch still wins
+    with engine.SwapIO(1) as io:
+        assert io.backend == "python"
+    with engine.SwapIO(1, backend="threads" if native else "python") as io:  # the argument wins
+        assert io.backend == ("threads" if native else "python")
+    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO")
+    monkeypatch.setenv("HETERO_IO_BACKEND", "spdk")
+    with pytest.raises(ValueError, match="HETERO_IO_BACKEND: backend='spdk' is not one of"):
+        engine.SwapIO(1)
+    with pytest.raises(ValueError, match=r"SwapIO\(backend=...\): backend='aio' is not one of"):
+        engine.SwapIO(1, backend="aio")
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="needs hetero._C")
+def test_io_uring_unavailable_falls_back_to_threads(monkeypatch):
+    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
+    monkeypatch.delenv("HETERO_IO_BACKEND", raising=False)
+    monkeypatch.setattr(engine._C, "io_uring_available", lambda: (False, "simulated: ENOSYS"))
+    assert engine.available_backends() == ["threads", "python"]
+    with engine.SwapIO(1, block_size=BLOCK, queue_depth=DEPTH) as io:
+        assert io.backend == "threads"
+    with pytest.raises(ValueError, match="io_uring.*unavailable.*simulated: ENOSYS"):
+        engine.SwapIO(1, backend="io_uring")
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="needs hetero._C")
+def test_native_engine_constructor_errors():
+    with pytest.raises(ValueError, match="unknown I/O backend 'aio'"):
+        engine._C.IOEngine(1, "aio")
+    with pytest.raises(ValueError, match="block_size must be a multiple of 4096.*got 5000"):
+        engine._C.IOEngine(1, "threads", 5000)
+    with pytest.raises(ValueError, match="queue_depth must be between 1 and 256, got 0"):
+        engine._C.IOEngine(1, "threads", PAGE, 0)
+    e = engine._C.IOEngine(1, "threads", PAGE, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        e.set_tuning(PAGE + 1, 4)
+    e.set_tuning(2 * PAGE, 16)
+    assert (e.block_size, e.queue_depth, e.backend) == (2 * PAGE, 16, "threads")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_size": 1000}, r"SwapIO: block_size=1000 must be a multiple of 4096"),
+    ({"block_size": 128 << 20}, r"block_size=134217728 must be a multiple of 4096 between"),
+    ({"queue_depth": 0}, r"SwapIO: queue_depth=0 must be an int between 1 and 256"),
+    ({"queue_depth": 1000}, r"queue_depth=1000"),
+    ({"num_threads": 0}, r"SwapIO: num_threads=0 must be an int >= 1"),
+])
+def test_swapio_argument_errors_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        engine.SwapIO(**kwargs)
+
+
+def test_environment_overrides(monkeypatch):
+    monkeypatch.setenv("HETERO_IO_BLOCK_SIZE", "256KiB")
+    monkeypatch.setenv("HETERO_IO_QUEUE_DEPTH", "12")
+    backend = engine.available_backends()[0]
+    with engine.SwapIO(1, backend=backend) as io:
+        if backend != "python":
+            assert (io.block_size, io.queue_depth) == (256 << 10, 12)
+        assert io.tuning.source in ("override", "default")
+    with engine.SwapIO(1, backend=backend, queue_depth=3) as io:  # an argument beats the env
+        if backend != "python":
+            assert io.queue_depth == 3
+    monkeypatch.setenv("HETERO_IO_QUEUE_DEPTH", "deep")
+    with pytest.raises(ValueError, match="HETERO_IO_QUEUE_DEPTH='deep' is not an integer"):
+        engine.SwapIO(1)
+    monkeypatch.setenv("HETERO_IO_QUEUE_DEPTH", "12")
+    monkeypatch.setenv("HETERO_IO_CHECKSUM", "maybe")
+    with pytest.raises(ValueError, match="HETERO_IO_CHECKSUM"):
+        engine.SwapIO(1)
+    monkeypatch.setenv("HETERO_IO_CHECKSUM", "0")
+    with engine.SwapIO(1, backend=backend) as io:
+        assert not io.checksum
+
+
+# ---- faults -----------------------------------------------------------------------------------
+
+
+def test_corrupt_fault_is_caught_by_checksums(io, tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    data = random_buffer(16 * PAGE, gen)
+    f = io.open(tmp_path / "corrupt.bin", 32 * PAGE)
+    # A write whose bytes reach the disk damaged: the next read of them fails.
+    engine.inject_fault("corrupt")
+    io.write(f, 0, data).wait()
+    assert torch.equal(data, random_buffer(16 * PAGE, torch.Generator().manual_seed(5)))  # intact
+    with pytest.raises(HeteroIOError, match="checksum mismatch") as info:
+        io.read(f, 0, engine.aligned_empty(16 * PAGE)).wait()
+    assert info.value.errno == errno.EIO and info.value.filename == f.path
+    # Damage on the way back: that read fails, the next one is fine.
+    io.write(f, 16 * PAGE, data).wait()
+    engine.inject_fault("corrupt")
+    with pytest.raises(HeteroIOError, match="checksum mismatch"):
+        io.read(f, 16 * PAGE, engine.aligned_empty(16 * PAGE)).wait()
+    out = engine.aligned_empty(16 * PAGE)
+    io.read(f, 16 * PAGE, out).wait()
+    assert torch.equal(out, data)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads", "python"])
+def test_checksum_detects_bytes_changed_behind_the_engine(tmp_path, backend):
+    gen = torch.Generator().manual_seed(9)
+    with make_io(backend, checksum=True) as io:
+        f = io.open(tmp_path / "behind.bin", 64 * PAGE)
+        a, b = random_buffer(20 * PAGE, gen), random_buffer(8 * PAGE, gen)
+        io.write(f, 0, a).wait()
+        io.write(f, 32 * PAGE, b).wait()
+        fd = os.open(f.path, os.O_WRONLY)  # plain buffered pwrite, as another process could
+        try:
+            os.pwrite(fd, bytes([a[13 * PAGE + 7].item() ^ 0xFF]), 13 * PAGE + 7)
+        finally:
+            os.close(fd)
+        with pytest.raises(HeteroIOError, match=r"checksum mismatch.*crc32") as info:
+            io.read(f, 0, engine.aligned_empty(20 * PAGE)).wait()
+        assert info.value.errno == errno.EIO
+        out = engine.aligned_empty(8 * PAGE)
+        io.read(f, 32 * PAGE, out).wait()  # other records are unaffected
+        assert torch.equal(out, b)
+        io.read(f, 16 * PAGE, engine.aligned_empty(4 * PAGE)).wait()  # no record inside: unchecked
+        with pytest.raises(HeteroIOError, match="checksum mismatch"):  # a read containing it
+            io.read(f, 0, engine.aligned_empty(64 * PAGE)).wait()
+        io.write(f, 0, a).wait()  # rewriting through the engine renews the records
+        io.read(f, 0, engine.aligned_empty(64 * PAGE)).wait()
+        io.close(f)
+    with make_io(backend, checksum=False) as io:  # off: the damage goes unnoticed
+        f = io.open(tmp_path / "behind.bin", 64 * PAGE)
+        fd = os.open(f.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\0" * 16, PAGE)
+        finally:
+            os.close(fd)
+        out = engine.aligned_empty(20 * PAGE)
+        io.read(f, 0, out).wait()
+        assert not torch.equal(out, a)
+        io.close(f)
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="needs hetero._C")
+def test_crc32c():
+    data = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert engine._C.crc32c(data) == 0xE3069283  # the standard check value of CRC-32C
+    big = torch.randint(0, 256, (100_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    whole = engine._C.crc32c(big)
+    assert engine._C.crc32c(big[50_001:], engine._C.crc32c(big[:50_001])) == whole  # continues
+    assert engine._C.crc32c(torch.empty(0, dtype=torch.uint8)) == 0
+
+
+# ---- preallocation and real disk-full ---------------------------------------------------------
+
+
+def test_open_reserves_the_space(io, tmp_path):
+    size = 64 * PAGE
+    f = io.open(tmp_path / "reserved.bin", size)
+    st = os.stat(f.path)
+    assert st.st_size == size and st.st_blocks * 512 >= size
+    sparse = io.open(tmp_path / "sparse.bin", size, preallocate=False)
+    st = os.stat(sparse.path)
+    assert st.st_size == size and st.st_blocks * 512 < size
+    with pytest.raises(ValueError, match="size=-1"):
+        io.open(tmp_path / "negative.bin", -1)
+
+
+def test_failed_reservation_leaves_no_file(io, tmp_path):
+    """An open that fails after creating the file removes it (ENOSPC at reservation)."""
+    path = tmp_path / "huge.bin"
+    with pytest.raises(HeteroIOError) as info:
+        io.open(path, 1 << 62)  # no file system reserves 4 EiB
+    assert info.value.errno in (errno.ENOSPC, errno.EFBIG, errno.EINVAL)
+    assert str(1 << 62) in str(info.value) and info.value.filename == str(path)
+    assert not path.exists()
+
+
+@contextlib.contextmanager
+def small_filesystem(path, size: str = "1m"):
+    """A tmpfs of ``size`` mounted at ``path`` (skips when mounting is not permitted here)."""
+    path.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                           str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(directory, chunk: int = PAGE) -> int:
+    """Write a filler file until the file system is full; returns the bytes written."""
+    written = 0
+    with open(os.path.join(directory, "filler"), "wb", buffering=0) as f:
+        while True:
+            try:
+                written += f.write(b"\xa5" * chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                return written
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads", "python"])
+def test_disk_full_on_a_real_small_filesystem(tmp_path, backend):
+    with make_io(backend) as io, small_filesystem(tmp_path / "fs") as fs:
+        # Reservation: a swap file larger than the file system fails at open, naming path and
+        # size, and leaves nothing behind.
+        with pytest.raises(HeteroIOError) as info:
+            io.open(fs / "too-big.bin", 4 << 20)
+        assert info.value.errno == errno.ENOSPC and info.value.filename == str(fs / "too-big.bin")
+        assert "4194304 bytes" in str(info.value) and not (fs / "too-big.bin").exists()
+        # A reserved file keeps working after the file system fills up around it ...
+        gen = torch.Generator().manual_seed(2)
+        f = io.open(fs / "swap.bin", 64 * PAGE)
+        sparse = io.open(fs / "sparse.bin", 0, preallocate=False)
+        assert fill(fs) > 0
+        data = random_buffer(64 * PAGE, gen)
+        io.write(f, 0, data).wait()
+        out = engine.aligned_empty(64 * PAGE)
+        io.read(f, 0, out).wait()
+        assert torch.equal(out, data)
+        # ... while an unreserved one hits the full disk in the write itself.
+        with pytest.raises(HeteroIOError) as info:
+            io.write(sparse, 0, data).wait()
+        assert info.value.errno == errno.ENOSPC and info.value.filename == sparse.path
+        assert "No space left on device" in str(info.value)
+        io.close(f)
+        io.close(sparse)
+
+
+# ---- tuning -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tuning_cache(tmp_path, monkeypatch):
+    path = tmp_path / "cache" / "io_tuning.json"
+    monkeypatch.setenv("HETERO_IO_TUNING_CACHE", str(path))
+    for name in ("HETERO_IO_BLOCK_SIZE", "HETERO_IO_QUEUE_DEPTH", "HETERO_IO_AUTOTUNE",
+                 "HETERO_FORCE_PYTHON_IO", "HETERO_IO_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(engine, "_tune_memo", {})
+    return path
+
+
+@pytest.fixture
+def fake_probe(monkeypatch):
+    calls = []
+
+    def probe(directory, *, backend="auto", **kwargs):
+        calls.append((directory, backend))
+        return engine.Tuning(256 << 10, 12, "probe", 1.5, 2.5)
+
+    monkeypatch.setattr(engine, "probe", probe)
+    return calls
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="only the native backends are tuned")
+def test_tuning_cache_round_trip(tmp_path, tuning_cache, fake_probe):
+    data = tmp_path / "data"
+    data.mkdir()
+    first = engine.tune(data)
+    assert (first.block_size, first.queue_depth, first.source) == (256 << 10, 12, "probe")
+    assert len(fake_probe) == 1
+    saved = json.loads(tuning_cache.read_text())
+    key = first.key
+    assert key.startswith(engine.available_backends()[0] + f":{os.stat(data).st_dev}:")
+    assert saved[key]["block_size"] == 256 << 10 and saved[key]["queue_depth"] == 12
+    engine._tune_memo.clear()  # as a new process would: read back from the file
+    other = tmp_path / "other-dir-same-fs"
+    other.mkdir()
+    again = engine.tune(other)
+    assert (again.block_size, again.queue_depth, again.source) == (256 << 10, 12, "cache")
+    assert len(fake_probe) == 1
+    engine.tune(data, refresh=True)
+    assert len(fake_probe) == 2
+    # A damaged cache is ignored (and rewritten by the next probe).
+    tuning_cache.write_text("{not json")
+    engine._tune_memo.clear()
+    assert engine.tune(data).source == "probe" and len(fake_probe) == 3
+    assert json.loads(tuning_cache.read_text())[key]["queue_depth"] == 12
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="only the native backends are tuned")
+def test_swapio_tunes_on_first_open_and_honours_overrides(tmp_path, tuning_cache, fake_probe,
+                                                          monkeypatch):
+    with engine.SwapIO(2) as io:
+        assert io.tuning is None  # nothing known before a directory is used
+        f = io.open(tmp_path / "a.bin", PAGE)
+        assert (io.block_size, io.queue_depth) == (256 << 10, 12)
+        assert io.tuning.source == "probe" and len(fake_probe) == 1
+        io.close(io.open(tmp_path / "b.bin", PAGE))  # decided once per SwapIO
+        io.close(f)
+    with engine.SwapIO(2) as io:
+        io.close(io.open(tmp_path / "c.bin", PAGE))
+        assert io.tuning.source == "cache" and len(fake_probe) == 1
+    with engine.SwapIO(2, queue_depth=5) as io:  # partial override: the rest from the tuning
+        io.close(io.open(tmp_path / "d.bin", PAGE))
+        assert (io.block_size, io.queue_depth, io.tuning.source) == (256 << 10, 5, "override")
+    with engine.SwapIO(2, block_size=PAGE, queue_depth=3) as io:  # full override: no tuning
+        assert io.tuning.source == "override"
+        io.close(io.open(tmp_path / "e.bin", PAGE))
+        assert (io.block_size, io.queue_depth) == (PAGE, 3)
+    monkeypatch.setenv("HETERO_IO_AUTOTUNE", "0")
+    with engine.SwapIO(2) as io:
+        io.close(io.open(tmp_path / "f.bin", PAGE))
+        assert (io.block_size, io.queue_depth, io.tuning.source) == (1 << 20, 32, "default")
+    assert len(fake_probe) == 1
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="only the native backends are tuned")
+def test_failed_probe_falls_back_to_defaults_uncached(tmp_path, tuning_cache, monkeypatch, caplog):
+    def broken(directory, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(engine, "probe", broken)
+    found = engine.tune(tmp_path)
+    assert (found.block_size, found.queue_depth, found.source) == (1 << 20, 32, "default")
+    assert "probe" in caplog.text and not tuning_cache.exists()
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_real_probe_is_short_and_cleans_up(tmp_path, backend):
+    if backend not in engine.available_backends():
+        pytest.skip(f"{backend} unavailable")
+    start = time.perf_counter()
+    found = engine.probe(tmp_path, backend=backend, file_bytes=16 << 20, budget_s=0.3,
+                         candidates=((1 << 20, 32), (256 << 10, 8)))
+    assert time.perf_counter() - start < 5
+    assert (found.block_size, found.queue_depth) in ((1 << 20, 32), (256 << 10, 8))
+    assert found.read_GBps > 0 and found.write_GBps > 0
+    assert os.listdir(tmp_path) == []
