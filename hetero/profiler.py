@@ -81,6 +81,14 @@ class Report:
 
         return belady_bound(self.events, self.catalog, self.capacities(device=device)["device"])
 
+    def coresident_bound(self, device: Optional[int] = None) -> int:
+        """Belady's minimum for this run's accesses with the constraints every placement obeys
+        (an acquire's blocks are on the device together; data starts on the device only where
+        it is created): tighter than :meth:`belady_bound`, still a lower bound."""
+        from .simulator import coresident_bound
+
+        return coresident_bound(self.events, self.catalog, self.capacities(device=device)["device"])
+
     def save_event_log(self, path: str) -> None:
         """JSON Lines of every runtime call (create / acquire / release / discard / end_step),
         preceded by one header line with the catalog, slot size and capacities: the input of

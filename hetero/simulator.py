@@ -6,7 +6,10 @@ storage, so "what would policy X do under budgets Y" is answered by the code tha
 * :func:`replay_access_log` does the same from a public access log alone (each access is an
   acquire, blocks appear at first use) — an approximation for logs recorded elsewhere;
 * :func:`belady_bound` is the clairvoyant minimum of device fetches for the same accesses:
-  evict the block whose next use is furthest, knowing the whole future.
+  evict the block whose next use is furthest, knowing the whole future (over pages: a lower
+  bound); :func:`coresident_bound` is the same with the constraints every placement obeys
+  (an acquire's blocks are on the device together until released; data appears on the device
+  for free only where it is created), tighter and still a lower bound.
 """
 
 from __future__ import annotations
@@ -231,69 +234,168 @@ def belady_bound(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[st
     Splitting blocks into pages relaxes the problem (a policy may keep part of a block), and for
     equal sizes MIN is optimal, so no whole-block policy can fetch less: with blocks of unequal
     sizes, block-level MIN is not a bound. Pages are the gcd of the block sizes (coarser if the
-    log would need more than ``max_pages`` page accesses). A block's first use after its creation
-    (or a discard, which also frees its memory) is free, as in the runtime, which creates blocks
-    where they are first needed; a write elsewhere (the optimizer updating a block in host
-    memory) kills the device copy.
+    log would need more than ``max_pages`` page accesses; then each block counts only its whole
+    pages, which relaxes further). A block's first use after its creation (or a discard, which
+    also frees its memory) is free, as in the runtime, which creates blocks where they are first
+    needed; a write elsewhere (the optimizer updating a block in host memory) kills the device
+    copy. See :func:`coresident_bound` for a tighter bound that is still valid.
     """
-    ops: list[tuple[bool, str, bool]] = []  # (use?, block, fresh: first use since creation)
+    return _page_min(_device_ops(events, coresident=False), catalog, capacity, max_pages)
+
+
+def coresident_bound(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],
+                     capacity: int, max_pages: int = 4_000_000) -> int:
+    """:func:`belady_bound` with two constraints every placement obeys: still a lower bound on the
+    bytes any placement must fetch onto the device, and never below ``belady_bound``.
+
+    1. *Co-residency.* Every block of an acquire stays on the device from the acquire to its
+       release (the runtime pins them; compute needs them together). MIN never evicts a page of a
+       pinned block; ``belady_bound`` may evict the first pages of an acquire to load its last.
+    2. *Creation.* A block's data appears on the device without a fetch only when it is created
+       there (``create`` events: parameters at wrap time, optimizer states, gradients created by
+       their first acquire). That is a free, optional load *at creation*; the block then holds
+       device memory until its first use. ``belady_bound`` instead makes the first use free
+       whenever it comes, as if the block could be created on the device at that moment.
+
+    Validity. Relax whole blocks to independent pages of equal size (as ``belady_bound``). The
+    requests are then: at each acquire, its pages must be loaded and stay resident until the
+    release; a creation offers one free load; a discard or a write on another tier kills a
+    copy. Any runtime schedule is feasible for this relaxed problem at no more cost (its budget
+    is a hard cap, its pins are these pins, its only free loads are creations, it drops the
+    same copies), so the relaxed optimum is a lower bound. MIN (on a fault or an offered free
+    load, evict the unpinned page used furthest in the future, and decline a free load whose
+    own next use is the furthest) is optimal for it, by Belady's exchange argument: if an
+    optimal schedule evicts ``q`` where MIN evicts ``p`` (so ``p`` is needed no sooner than
+    ``q``), swapping the two costs nothing before ``q``'s next request, because a page is
+    pinned only from a request of it on, so ``p`` is not pinned in between; from there the
+    swapped schedule saves the fetch of ``q`` and pays at most one fetch of ``p``. Pages
+    the device cannot hold beside pinned ones are fetched and not kept (where the runtime would
+    raise HeteroOOMError), which only lowers the bound.
+
+    The property test in ``tests/test_policies.py`` checks ``belady_bound <= coresident_bound <=``
+    the traffic of every policy, and ``coresident_bound <=`` an exhaustive whole-block optimum,
+    on random logs.
+    """
+    return _page_min(_device_ops(events, coresident=True), catalog, capacity, max_pages)
+
+
+def _device_ops(events: Iterable[Sequence[Any]], coresident: bool) -> list[tuple]:
+    """The device's requests in a run's events, in order: ``("use", block, free)`` (``free``: the
+    first use after creation, in ``belady_bound``), ``("load", block)`` (an optional free load at
+    creation), ``("kill", block)``, ``("pin", blocks)`` and ``("unpin", blocks)`` (co-residency),
+    ``("step",)``."""
+    ops: list[tuple] = []
     fresh: set[str] = set()
     seen: set[str] = set()
     for op, *args in events:
-        if op in ("create", "discard"):
-            fresh.add(args[0])
-            if op == "discard":  # its memory is freed everywhere at once
-                ops.append((False, args[0], False))
+        if op == "create":
+            if coresident:
+                ops.append(("kill", args[0]))  # no copy can outlive a creation (nothing to keep)
+                if args[3] in (None, DEVICE):  # the policy's home, or the device: it may start there
+                    ops.append(("load", args[0]))
+                seen.add(args[0])
+            else:
+                fresh.add(args[0])
+        elif op == "discard":  # its memory is freed everywhere at once
+            ops.append(("kill", args[0]))
+            if not coresident:
+                fresh.add(args[0])
         elif op == "acquire" and args[1] == DEVICE and args[3]:
+            if coresident:
+                ops.append(("pin", tuple(args[0])))
             for b in args[0]:
-                ops.append((True, b, b in fresh or b not in seen))
+                ops.append(("use", b, b in fresh or b not in seen))
                 fresh.discard(b)
                 seen.add(b)
         elif op == "acquire" and args[1] != DEVICE and args[2]:  # written off the device
-            ops += [(False, b, False) for b in args[0]]
-    used_sizes = {catalog[b][1] for _, b, _ in ops}
+            ops += [("kill", b) for b in args[0]]
+        elif op == "release" and args[1] == DEVICE and coresident:
+            ops.append(("unpin", tuple(args[0])))
+        elif op == "end_step":
+            ops.append(("step",))
+    return ops
+
+
+def _page_min(ops: list[tuple], catalog: Mapping[str, tuple[str, int]], capacity: int,
+              max_pages: int) -> int:
+    """Bytes MIN fetches for ``ops`` (see :func:`_device_ops`) over equal pages of the blocks."""
+    used_sizes = {catalog[o[1]][1] for o in ops if o[0] == "use"}  # (both bounds: same pages)
     if not used_sizes:
         return 0
     page = functools.reduce(math.gcd, used_sizes)
-    total = sum(catalog[b][1] for use, b, _ in ops if use)
+    total = sum(catalog[o[1]][1] for o in ops if o[0] == "use")
     page *= max(1, -(-total // (page * max_pages)))
-    pages: list[tuple[bool, tuple[str, int], bool, int]] = []
-    for use, b, is_fresh in ops:
-        size = catalog[b][1]
-        for k in range(-(-size // page)):
-            pages.append((use, (b, k), is_fresh, min(page, size - k * page)))
-    never = len(pages) + 1
-    nxt = [never] * len(pages)
+    npages = {b: catalog[b][1] // page for b in catalog}  # exact unless coarsened: then fewer
+
+    # Expand to page requests: (kind, page, free); pins stay per block.
+    seq: list[tuple] = []
+    for o in ops:
+        if o[0] == "use":
+            seq += [("use", (o[1], k), o[2]) for k in range(npages[o[1]])]
+        elif o[0] in ("load", "kill"):
+            seq += [(o[0], (o[1], k), False) for k in range(npages[o[1]])]
+        elif o[0] in ("pin", "unpin"):
+            seq.append(o)
+    never = len(seq) + 1
+    nxt = [never] * len(seq)  # index of the page's next use while its copy lives
     last: dict[tuple[str, int], int] = {}
-    for i in range(len(pages) - 1, -1, -1):
-        use, pg, _, _ = pages[i]
-        if use:
+    for i in range(len(seq) - 1, -1, -1):
+        kind, pg = seq[i][0], seq[i][1]
+        if kind in ("use", "load"):
             nxt[i] = last.get(pg, never)
-            last[pg] = i
-        else:
+            if kind == "use":
+                last[pg] = i
+        elif kind == "kill":
             last.pop(pg, None)  # the copy dies here: no later use can be served by it
+
+    slots = capacity // page
     cache: dict[tuple[str, int], int] = {}  # page -> index of its next use
-    heap: list[tuple[int, tuple[str, int]]] = []  # (-next use, page), stale entries skipped
-    used = fetched = 0
-    for i, (use, pg, is_fresh, cost) in enumerate(pages):
-        if not use:
-            if pg in cache:
-                del cache[pg]
-                used -= cost
+    heap: list[tuple[int, tuple[str, int]]] = []  # (-next use, page) of unpinned pages; stale skipped
+    pins: dict[str, int] = {}
+    fetched = 0
+
+    def evict_one(keep_before: int) -> bool:
+        """Evict the unpinned page used furthest, if after ``keep_before``."""
+        while heap:
+            neg, victim = heap[0]
+            if cache.get(victim) != -neg or pins.get(victim[0]):
+                heapq.heappop(heap)  # stale, or pinned (pushed back when unpinned)
+                continue
+            if -neg <= keep_before:
+                return False
+            heapq.heappop(heap)
+            del cache[victim]
+            return True
+        return False
+
+    for i, (kind, *rest) in enumerate(seq):
+        if kind == "pin":
+            for b in rest[0]:
+                pins[b] = pins.get(b, 0) + 1
             continue
-        if pg not in cache:
-            if not is_fresh:
-                fetched += cost
-            while used + cost > capacity and heap:
-                neg, victim = heapq.heappop(heap)
-                if cache.get(victim) == -neg:
-                    del cache[victim]
-                    used -= min(page, catalog[victim[0]][1] - victim[1] * page)
-            if used + cost > capacity:
-                continue  # larger than the device: streamed, never cached
-            used += cost
+        if kind == "unpin":
+            for b in rest[0]:
+                pins[b] -= 1
+                if not pins[b]:
+                    for k in range(npages[b]):
+                        if (b, k) in cache:
+                            heapq.heappush(heap, (-cache[(b, k)], (b, k)))
+            continue
+        pg, free = rest
+        if kind == "kill":
+            cache.pop(pg, None)
+            continue
+        if kind == "load":  # optional and free: only if it displaces a page needed later
+            if nxt[i] == never or (len(cache) >= slots and not evict_one(nxt[i])):
+                continue
+        elif pg not in cache:
+            if not free:
+                fetched += page
+            if len(cache) >= slots and not evict_one(-1):
+                continue  # no room beside pinned pages: streamed, never cached
         cache[pg] = nxt[i]
-        heapq.heappush(heap, (-nxt[i], pg))
+        if not pins.get(pg[0]):
+            heapq.heappush(heap, (-nxt[i], pg))
     return fetched
 
 

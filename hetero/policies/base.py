@@ -72,7 +72,21 @@ class Timeline:
     the position resynchronizes on the next access it recognizes within ``window``; blocks the
     recorded step never touched have an unknown future. At the end of each step the step just
     seen becomes the recording, so a changed sequence is learned after one step, never dropped.
+
+    Before any step is complete the first step is predicted from its own forward pass: when the
+    first write arrives (the backward pass storing gradients) the accesses so far, followed by
+    the same acquires in reverse order, become a *provisional* recording, because a backward pass
+    visits the units of the forward in reverse (the order FSDP prefetches its first backward in).
+    A forward block then has a known next use instead of none, and blocks the backward has
+    already revisited are due only in the next step. The first complete step replaces the guess.
+
+    Per block, the recording's predictions that came true (hits) and that the step skipped
+    (misses) are counted with a decay of ``DECAY`` per step, so a block that was skipped while
+    the routing settled is trusted again once the recording predicts it right for a few steps.
     """
+
+    #: weight of last step's hit and miss counts against this step's (per step)
+    DECAY = 0.5
 
     def __init__(self, window: int = 256) -> None:
         self.window = window
@@ -86,10 +100,34 @@ class Timeline:
         self.matched = 0
         self.seen = 0
         self.streak = 0  # accesses in a row that matched the recording exactly
-        self._hits: dict[str, int] = {}  # recorded uses that came true, per block
-        self._misses: dict[str, int] = {}  # recorded uses skipped (the step went another way)
+        self._hits: dict[str, float] = {}  # recorded uses that came true, per block (decayed)
+        self._misses: dict[str, float] = {}  # recorded uses skipped (the step went another way)
+        self.provisional = False  # ``recorded`` is the current step's forward mirrored, a guess
+
+    def _adopt(self, recorded: list[tuple[str, str, int]], writes: set[int]) -> None:
+        self.recorded, self._writes = recorded, writes
+        self._index = {}
+        for i, (b, t, _) in enumerate(self.recorded):
+            self._index.setdefault((b, t), []).append(i)
+            self._index.setdefault((b, "*"), []).append(i)
+
+    def _mirror(self) -> None:
+        """Adopt the accesses of the current step so far, then the same acquires in reverse
+        order, as a provisional recording, positioned where the reversed part begins."""
+        forward = list(self._current)
+        by_group: dict[int, list[tuple[str, str, int]]] = {}
+        for b, t, g in forward:
+            by_group.setdefault(g, []).append((b, t, g))
+        last = self._groups
+        mirrored = [(b, t, last + k) for k, g in enumerate(sorted(by_group, reverse=True))
+                    for b, t, _ in by_group[g]]
+        self._adopt(forward + mirrored, set(self._current_writes))
+        self.pos = len(forward)
+        self.provisional = True
 
     def observe(self, blocks: Sequence[str], tier: str, write: bool = False) -> None:
+        if write and not self.recorded and self._current:
+            self._mirror()
         for b in blocks:
             if write:
                 self._current_writes.add(len(self._current))
@@ -117,12 +155,14 @@ class Timeline:
     def end_step(self) -> tuple[int, int]:
         """Adopt the step just seen as the recording; returns (matched, seen) of that step."""
         result = (self.matched, self.seen)
+        for counts in (self._hits, self._misses):
+            for b in list(counts):
+                counts[b] *= self.DECAY
+                if counts[b] < 0.01:
+                    del counts[b]
         if self._current:
-            self.recorded, self._writes = self._current, self._current_writes
-            self._index = {}
-            for i, (b, t, _) in enumerate(self.recorded):
-                self._index.setdefault((b, t), []).append(i)
-                self._index.setdefault((b, "*"), []).append(i)
+            self._adopt(self._current, self._current_writes)
+            self.provisional = False
         self._current, self._current_writes = [], set()
         self._groups, self.pos, self.matched, self.seen = 0, 0, 0, 0
         return result
@@ -132,6 +172,11 @@ class Timeline:
         expert that is skipped as often as used is not)."""
         hits, misses = self._hits.get(block, 0), self._misses.get(block, 0)
         return misses == 0 or hits >= 3 * misses
+
+    def confirmed(self, block: str) -> bool:
+        """Reliable, and some recorded use of ``block`` came true lately: worth a prefetch. A
+        block seen for the first time last step (an expert the router just picked) is not yet."""
+        return self._hits.get(block, 0) > 0 and self.reliable(block)
 
     def next_use(self, block: str, tier: str) -> Optional[int]:
         """Accesses until ``block`` is next used on ``tier`` ("*": anywhere), wrapping into the
@@ -157,9 +202,9 @@ class Timeline:
 
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
         """Accesses of the next ``groups`` recorded acquires from the current position, leaving
-        out blocks whose recorded uses have often not come true. Empty while the step is not
-        following the recording (prefetching on a wrong guess evicts what is needed): it
-        resumes after ``LOCK`` accesses in a row match again."""
+        out blocks whose recorded uses have not come true lately (:meth:`confirmed`). Empty
+        while the step is not following the recording (prefetching on a wrong guess evicts what
+        is needed): it resumes after ``LOCK`` accesses in a row match again."""
         out: list[tuple[str, str]] = []
         if not self.recorded or groups <= 0 or self.streak < self.LOCK:
             return out
@@ -173,6 +218,6 @@ class Timeline:
                 if seen_groups > groups:
                     break
                 last_group = g
-            if self.reliable(b):
+            if self.confirmed(b):
                 out.append((b, t))
         return out

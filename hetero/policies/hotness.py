@@ -1,8 +1,9 @@
 """Hotness: predict each block's next use from how often and how recently it was used.
 
 Usable with no recorded step at all. A block's reuse distance (accesses between consecutive
-uses) is smoothed; its predicted next use is its last use plus that distance. Blocks used once
-(or not yet) are predicted far away, larger ones first, so the cold and the big leave first.
+uses) is smoothed; its predicted next use is its last use plus that distance (an overdue block
+is predicted as far ahead as it is overdue). Blocks used once (or not yet) are predicted far
+away, larger ones first, so the cold and the big leave first.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ class Hotness(Policy):
         self.now = seq + len(blocks)
 
     def predicted(self, block_id: str) -> float:
-        """Predicted accesses from now until ``block_id`` is used again (inf: no estimate)."""
+        """Predicted accesses from now until ``block_id`` is used again (inf: no estimate).
+
+        A block past its due time without having been used (an expert the router stopped
+        picking, a gradient whose backward is over) is predicted as far again as it is overdue,
+        not "now": the longer it is overdue, the less it is expected back."""
         r = self._reuse.get(block_id)
         if r is None:
             return math.inf
-        return max(self._last[block_id] + r - self.now, 0.0)
+        return abs(self._last[block_id] + r - self.now)
 
     def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
         return max(candidates, key=lambda b: (self.predicted(b.id), b.clean_below, b.nbytes,

@@ -2,10 +2,11 @@
 
 Next uses come from the recorded step (:class:`~hetero.policies.base.Timeline`), counting into
 the next step, which is where Gemini's warm-up trace stops. Among blocks with the same future the
-clean one goes first (a valid copy below means the eviction writes nothing). Blocks the recording
-does not know, or whose recorded uses often do not come true (routed experts), are predicted by
-``fallback`` when there is one (``auto``); plain ``opt`` trusts the recording and evicts unknown
-blocks first, least recently used first.
+one whose future the recording knows goes first (for blocks not needed again: certainly dead,
+not merely unknown), then the clean one (a valid copy below means the eviction writes nothing).
+Blocks the recording does not know, or whose recorded uses often do not come true lately (routed
+experts), are predicted by ``fallback`` when there is one (``auto``); plain ``opt`` trusts the
+recording and evicts unknown blocks first, least recently used first.
 """
 
 from __future__ import annotations
@@ -37,15 +38,24 @@ class Opt(Policy):
     def end_step(self, step: int) -> None:
         self.follow.append(self.timeline.end_step())
 
-    def next_use(self, block_id: str, tier: str) -> float:
+    def predict(self, block_id: str, tier: str) -> tuple[float, bool]:
+        """(accesses until ``block_id`` is next needed on ``tier``, whether the recording says
+        so). A copy the recording knows to be rewritten elsewhere first is certainly dead."""
         # A block on the host is needed there for any use (the device is fed through the host).
         d = self.timeline.next_use(block_id, tier if tier == DEVICE else "*")
         if self.fallback is not None and (d is None or not self.timeline.reliable(block_id)):
-            return self.fallback.predicted(block_id)  # the recording cannot say: ask hotness
-        return math.inf if d is None else float(d)
+            return self.fallback.predicted(block_id), False  # the recording cannot say: ask hotness
+        return (math.inf, False) if d is None else (float(d), True)
+
+    def next_use(self, block_id: str, tier: str) -> float:
+        return self.predict(block_id, tier)[0]
 
     def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
-        return max(candidates, key=lambda b: (self.next_use(b.id, tier), b.clean_below,
+        """Furthest next use first; at equal distance the recording's prediction before a guess
+        (so among blocks not needed again, those known to be rewritten elsewhere first before
+        those nobody can predict: an expert not routed to yet may be next); then clean before
+        dirty, then least recently used."""
+        return max(candidates, key=lambda b: (*self.predict(b.id, tier), b.clean_below,
                                               -self._last.get(b.id, -1), b.id))
 
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
