@@ -486,17 +486,9 @@ class Runtime:
         return True
 
     def _make_room(self, block: Block, tier: str, horizon: float) -> bool:
-        """Free room for ``block`` on ``tier`` by evicting only blocks needed after ``horizon``
-        and after every block pinned there now."""
+        """Free room for ``block`` on ``tier`` by evicting only blocks needed after ``horizon``."""
         t = self.tiers[tier]
         need = self._size_on(tier, block)
-        if t.free >= need:
-            return True
-        # Blocks pinned now are released before ``block`` is used: a demand fetch at that moment
-        # would evict them before anything needed sooner, so a prefetch must not evict what is
-        # needed before them either (it would only move the miss, and cost a fetch).
-        horizon = max([horizon] + [self.policy.next_use(b.id, tier) for b in self._on[tier]
-                                   if b.pins.get(tier) and b is not block])
         while t.free < need:
             victims = [self._info(b) for b in self._on[tier] if self._evictable(b, tier, {block})
                        and self.policy.next_use(b.id, tier) > horizon]
