@@ -75,7 +75,7 @@ class Op:
     """
 
     __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
-                 "init", "deps", "handle", "state", "start", "issued")
+                 "init", "deps", "handle", "state", "start", "issued", "restorable")
 
     def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
                  dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
@@ -86,6 +86,7 @@ class Op:
         self.handle: Any = None
         self.state = "queued"  # queued -> running -> finished | failed | cancelled
         self.start = self.issued = issued
+        self.restorable = True
 
     @property
     def frees_device(self) -> bool:
@@ -136,6 +137,8 @@ class Runtime:
         self._seq = itertools.count()
         self._txn: Optional[_Transaction] = None
         self.prefetching = True
+        self._prefetching_now = False
+        self._protected: set[Block] = set()
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -230,16 +233,18 @@ class Runtime:
         protect = set(blocks)
         group = self.tracker.groups
         self.tracker.groups += 1
-        for block in blocks:
-            if record and tier not in block.tiers:
-                self.tracker.misses += 1
-            self._fetch(block, tier, protect)
-            block.pins[tier] = block.pins.get(tier, 0) + 1
+        pinned: list[Block] = []
         try:
+            for block in blocks:
+                if record and tier not in block.tiers:
+                    self.tracker.misses += 1
+                self._fetch(block, tier, protect)
+                block.pins[tier] = block.pins.get(tier, 0) + 1
+                pinned.append(block)
             for block in blocks:
                 self._wait_block(block, stall=True)
         except BaseException:
-            for block in blocks:
+            for block in pinned:
                 block.pins[tier] -= 1
             raise
         for block in blocks:
@@ -248,6 +253,11 @@ class Runtime:
             if write:
                 others = sorted(block.tiers - {tier}, key=TIER_ORDER.index)
                 keep = self._txn.shadow_tier(block, others) if self._txn is not None else None
+                if (self._txn is not None and keep is None
+                        and block not in self._txn.shadows and block not in self._txn.created):
+                    self._txn.lose(block)
+                    log.warning("hetero: %s is written with no older copy to keep; this optimizer "
+                                "step can no longer be undone if a transfer fails", block.id)
                 for other in others:
                     assert not block.pins.get(other), f"{block} is written on {tier} while pinned on {other}"
                     if other == keep:
@@ -299,8 +309,10 @@ class Runtime:
             return
         assert not any(block.pins.values()), f"{block} is discarded while in use"
         self.tracker.event("discard", block.id)
+        for op in self._block_ops.get(block, ()):
+            op.restorable = False  # the data is dead: undoing a transfer never brings it back
         for tier in list(block.tiers):
-            self._free(block, tier)
+            self._free(block, tier, restorable=False)
 
     def unpin_all(self) -> None:
         """Forget every pin (after an exception abandoned a forward or backward half-way)."""
@@ -310,14 +322,16 @@ class Runtime:
 
     def end_step(self) -> None:
         self.tracker.event("end_step")
-        self._pump()
         self.policy.end_step(self.tracker.step)
         self.tracker.step += 1
+        self._pump()
 
     def drain(self) -> None:
         """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it)."""
         while self._ops:
-            self._wait_op(self._ops[0])
+            op = self._ops[0]
+            assert op.state in ("queued", "running"), f"runtime bug: {op} left in flight"
+            self._wait_op(op)
 
     def close(self) -> None:
         try:
@@ -380,7 +394,7 @@ class Runtime:
         try:
             self._replicate(block, tier, below[0], {block})
         except HeteroOOMError:
-            self._txn.complete = False
+            self._txn.lose(block)
             log.warning("hetero: no room for the previous version of %s; this optimizer step can no "
                         "longer be undone if a transfer fails", block.id)
             return False
@@ -404,17 +418,19 @@ class Runtime:
         """Make room on ``tier`` by giving up a shadow there: the transaction goes on, but can no
         longer undo that block (logged once per transaction)."""
         txn = self._txn
-        found = next(((b, loc) for b, (t, loc) in txn.shadows.items() if t == tier), None) if txn else None
+        if txn is None or self._prefetching_now:  # never give up a shadow for a prefetch
+            return False
+        found = next(((b, loc) for b, (t, loc) in txn.shadows.items() if t == tier), None)
         if found is None:
             return False
         block, loc = found
         del txn.shadows[block]
         self._release_shadow(block, tier, loc)
         if txn.complete:
-            txn.complete = False
             log.warning("hetero: no room on the %s tier for the previous versions of the blocks an "
                         "optimizer step writes; this step can no longer be undone if a transfer fails "
                         "(give the %s tier more room to keep steps all-or-nothing)", tier, tier)
+        txn.lose(block)
         return True
 
     def _release_shadow(self, block: Block, tier: str, loc: Any) -> None:
@@ -479,7 +495,13 @@ class Runtime:
             finally:
                 self._in_flight.discard(block)
             src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
-            self._replicate(block, src, tier, set(), prefetch=True)
+            self._prefetching_now = True
+            try:
+                self._replicate(block, src, tier, set(), prefetch=True)
+            except HeteroOOMError:  # no contiguous run free without evicting what is needed
+                return False
+            finally:
+                self._prefetching_now = False
             if tier == DEVICE:
                 self.tracker.prefetched.add(block.id)
         self.tracker.prefetch_issued += 1
@@ -519,8 +541,18 @@ class Runtime:
         src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
         self._replicate(block, src, tier, protect)
 
+    def protect(self, blocks: Sequence[Block], on: bool = True) -> None:
+        """Keep every copy of ``blocks`` from eviction (``on=False``: no longer), e.g. the older
+        copies a transaction's writes will keep as shadows, while their chunk is being fetched."""
+        self.tracker.event("protect", tuple(b.id for b in blocks), on)
+        if on:
+            self._protected.update(blocks)
+        else:
+            self._protected.difference_update(blocks)
+
     def _evictable(self, b: Block, tier: str, protect: set[Block]) -> bool:
-        if tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._in_flight:
+        if (tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._in_flight
+                or b in self._protected):
             return False
         below = TIER_ORDER[TIER_ORDER.index(tier) + 1:]
         return len(b.tiers) > 1 or any(t in self.tiers for t in below)
@@ -598,13 +630,14 @@ class Runtime:
         t.release(self._size_on(tier, block))
         self.tracker.used(tier, t.used)
 
-    def _free(self, block: Block, tier: str) -> None:
+    def _free(self, block: Block, tier: str, restorable: bool = True) -> None:
         """Drop ``block``'s copy on ``tier`` and give its memory back — at once, or (when
         transfers of the block are still running) through a hold op that ends after them."""
         loc = self.storage.loc(block, tier)
         self._drop(block, tier)
         if self._block_ops.get(block):
-            self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False)
+            op = self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False)
+            op.restorable = restorable  # a discarded copy is dead: undoing never brings it back
         else:
             self.storage.release(block, tier)
 
@@ -615,12 +648,14 @@ class Runtime:
         using memory it writes or writing memory it reads, and (for a transfer onto the device)
         evictions still giving device memory back."""
         reads, writes = op.regions()
-        to_device = op.dst == DEVICE
         deps = []
         for p in self._ops:
             if p is op:
                 continue
-            if p.block is block or (to_device and p.frees_device):
+            # Device memory, and slot budget below it, freed by an earlier op is only free once
+            # that op finished: a later placement may use the bytes (in another slot), and if the
+            # earlier op fails, undoing it takes them back.
+            if p.block is block or (op.dst is not None and p.freed_src and p.src == op.dst):
                 deps.append(p)
                 continue
             p_reads, p_writes = p.regions()
@@ -725,7 +760,8 @@ class Runtime:
                 break
             for op in running:
                 try:
-                    op.handle.wait()
+                    if op.handle is not None:
+                        op.handle.wait()
                 except HeteroIOError:
                     op.state = "failed"
                     bad.add(op)
@@ -737,7 +773,7 @@ class Runtime:
             if op.dst is not None and op.dst in block.tiers:
                 self._drop(block, op.dst)
                 self.storage.release(block, op.dst)
-            if op.freed_src:
+            if op.freed_src and op.restorable:
                 self.storage.adopt(block, op.src, op.src_loc)
                 t = self.tiers[op.src]
                 t.reserve(self._size_on(op.src, block))
@@ -760,7 +796,15 @@ class _Transaction:
     def __init__(self) -> None:
         self.shadows: dict[Block, tuple[str, Any]] = {}
         self.created: list[Block] = []
-        self.complete = True  # False once a shadow had to be given up for room
+        self.lost: set[Block] = set()  # written, and no older copy kept: a rollback cannot undo them
+
+    @property
+    def complete(self) -> bool:
+        """Whether a rollback would undo every write."""
+        return not self.lost
+
+    def lose(self, block: Block) -> None:
+        self.lost.add(block)
 
     def shadow_tier(self, block: Block, others: list[str]) -> Optional[str]:
         """Which of a written block's other copies (fastest first) to keep as its shadow: the

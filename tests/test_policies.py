@@ -186,11 +186,13 @@ def test_auto_evicts_a_copy_known_to_be_dead_before_an_unknown_block() -> None:
     assert auto.victim("device", [info("p"), info("u")]).id == "p"
 
 
-def test_prefetch_does_not_evict_what_is_needed_before_a_pinned_block() -> None:
+def test_prefetch_while_a_block_is_pinned_costs_at_most_one_fetch_per_step() -> None:
     """Per step b3 b0 b4 b1 on a device of 3 blocks. While b1 is acquired (pinned) the device holds
-    b0, b1, b4 and b3 is next: next uses b3 0, b0 1, b4 2, b1 3. A demand fetch of b3 evicts b1,
-    released by then and used last; a prefetch now must not evict b4 instead (b4 would come back:
-    one fetch more than Belady). So prefetching moves no more than not prefetching."""
+    b0, b1, b4 and b3 is next: next uses b3 0, b0 1, b4 2, b1 3. A demand fetch of b3 would evict
+    b1, released by then and used last; a prefetch now can only evict b4 (b4 then comes back: one
+    fetch more than Belady). The runtime accepts that fetch: forbidding it removes the overlap of
+    every cyclic pattern once transfers are asynchronous (time beats bytes). Bounded: one fetch
+    per step at most."""
     size = 4096
     events = events_for([["b3"], ["b0"], ["b4"], ["b1"]], 4)
     catalog = {b: ("param", size) for b in ("b0", "b1", "b3", "b4")}
@@ -198,8 +200,7 @@ def test_prefetch_does_not_evict_what_is_needed_before_a_pinned_block() -> None:
     plain = replay(events, catalog, "opt", caps, size, prefetch=0)
     ahead = replay(events, catalog, "opt", caps, size, prefetch=1)
     assert plain.traffic["host->device"] == 6 * size  # b4 b1, b4, b0, b3 b1
-    # (evicting b4 for a prefetch of b3 at the end of step 2 made it 7: b3, b4 and b3 again)
-    assert ahead.traffic["host->device"] == plain.traffic["host->device"]
+    assert plain.traffic["host->device"] <= ahead.traffic["host->device"] <= plain.traffic["host->device"] + 2 * size
 
 
 def test_static_homes_are_fixed_by_kind() -> None:

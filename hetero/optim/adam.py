@@ -11,6 +11,7 @@ slot). The math is torch's single-tensor Adam, op for op, so results match ``tor
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -20,6 +21,8 @@ from ..config import format_size
 from ..errors import HeteroConfigError, HeteroOOMError
 from ..tiers import DEVICE, HOST, NVME, align_up
 from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
+
+log = logging.getLogger(__name__)
 
 _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -152,9 +155,10 @@ class Adam(torch.optim.Optimizer):
                 self._step_chunk(chunk, runs, groups, shadow=False)
             st.end_step()
             return loss
-        steps = [(s, s.step) for chunk, _ in work for s in chunk.slots]
+        steps = [(chunk, s, s.step) for chunk, _ in work for s in chunk.slots]
+        txn = None
         try:
-            with rt.transaction():
+            with rt.transaction() as txn:
                 while True:
                     moving = [w for w in work if not self._in_place(w[0])]
                     if not moving:
@@ -170,8 +174,15 @@ class Adam(torch.optim.Optimizer):
                 finally:
                     rt.set_prefetching(True)
         except BaseException:
-            for slot, n in steps:
-                slot.step = n
+            # Chunks whose writes could not all be undone (no room was left for their older
+            # copies: logged) keep this step, step counts included, so each chunk stays consistent.
+            kept = {id(c) for c, _, _ in steps if txn is not None and any(b in txn.lost for b in self._written(c))}
+            for chunk, slot, n in steps:
+                if id(chunk) not in kept:
+                    slot.step = n
+            if kept:
+                log.error("hetero: the failed optimizer step could not be undone for %d chunk(s) "
+                          "(no room for their previous versions); they keep this step", len(kept))
             raise
         st.end_step()
         return loss
@@ -188,15 +199,21 @@ class Adam(torch.optim.Optimizer):
                               chunk.blocks[EXP_AVG_SQ])
         param = chunk.blocks[PARAM] if MASTER in chunk.blocks else None  # low-precision copy
         writes = self._written(chunk)
-        if shadow:
-            for block in writes:
-                rt.ensure_shadow(block, tier)
-        rt.acquire([grad], tier)
+        if shadow:  # the older copies of what is written must survive fetching the rest
+            rt.protect(writes)
         try:
-            rt.acquire(writes, tier, write=True)
-        except BaseException:
-            rt.release([grad], tier)
-            raise
+            if shadow:
+                for block in writes:
+                    rt.ensure_shadow(block, tier)
+            rt.acquire([grad], tier)
+            try:
+                rt.acquire(writes, tier, write=True)
+            except BaseException:
+                rt.release([grad], tier)
+                raise
+        finally:
+            if shadow:
+                rt.protect(writes, on=False)
         try:
             w_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (master, grad, m, v))
             p_flat = rt.data(param, tier) if param is not None else None
