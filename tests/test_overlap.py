@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 from torch import nn
 
