@@ -37,7 +37,7 @@ from tqdm import tqdm
 import hetero
 from hetero.optim import kernel as K
 
-from bench_overlap import engine_speed, fio_speed  # noqa: E402
+from bench_overlap import disk_speed, io_seconds  # noqa: E402
 
 WIDTH = 1024  # each layer: WIDTH x WIDTH fp32 = 1M parameters
 
@@ -100,19 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     n = int(float(args.params.rstrip("Mm")) * 2**20) if args.params[-1] in "Mm" else int(args.params)
     swap_dir = tempfile.mkdtemp(prefix="bench-nvme-step-", dir=args.nvme_path or ".")
     try:
-        disk, tool = fio_speed(swap_dir), "fio"
-        if disk is None:
-            disk, tool = engine_speed(swap_dir), "hetero engine (fio not installed)"
+        disk = disk_speed(swap_dir)
         res = nvme_step(n, swap_dir, args.reps, progress=not args.no_progress)
     finally:
         shutil.rmtree(swap_dir, ignore_errors=True)
     compute = compute_time(res["params"], args.reps)
-    io_s = res["read_bytes"] / (disk["read_GBps"] * 1e9) + res["write_bytes"] / (disk["write_GBps"] * 1e9)
-    res.update(compute_s=compute, io_s=io_s, disk=dict(disk, tool=tool),
+    io_s = io_seconds(res["read_bytes"], res["write_bytes"], disk)
+    res.update(compute_s=compute, io_s=io_s, disk=disk,
                ratio=res["step_s"] / max(compute, io_s))
     print(f"{res['params'] / 2**20:g}M params ({res['state_bytes'] / 2**20:.0f} MiB of training state); "
           f"optimizer state blocks on NVMe: {res['opt_state_blocks_on_nvme']} of {res['opt_state_blocks']}")
-    print(f"disk ({tool}): read {disk['read_GBps']:.2f} GB/s, write {disk['write_GBps']:.2f} GB/s")
+    print(f"disk ({disk['tool']}): read {disk['read_GBps']:.2f} GB/s, write {disk['write_GBps']:.2f} GB/s")
     print(f"step {res['step_s']:.3f} s: read {res['read_bytes'] / 2**20:.0f} MiB, write "
           f"{res['write_bytes'] / 2**20:.0f} MiB -> I/O at disk speed {io_s:.3f} s; compute {compute:.3f} s")
     print(f"step / max(compute, I/O) = {res['ratio']:.3f}  (target <= 1.1)")

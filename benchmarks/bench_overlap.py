@@ -79,6 +79,20 @@ def engine_speed(directory: str, size_mib: int = 256) -> dict[str, float]:
     return out
 
 
+def disk_speed(directory: str) -> dict:
+    """Read and write GB/s of the disk under ``directory`` and the tool that measured them: fio,
+    or hetero's swap engine when fio is not installed."""
+    disk = fio_speed(directory)
+    if disk is not None:
+        return dict(disk, tool="fio")
+    return dict(engine_speed(directory), tool="hetero engine (fio not installed)")
+
+
+def io_seconds(read_bytes: float, write_bytes: float, disk: dict) -> float:
+    """Time to read and write these bytes at ``disk``'s speeds (a pipeline's lower bound)."""
+    return read_bytes / (disk["read_GBps"] * 1e9) + write_bytes / (disk["write_GBps"] * 1e9)
+
+
 class Run:
     """One configuration being trained (a step at a time, interleaved with the others so that all
     see the same machine load)."""
@@ -140,10 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     state = models.state_bytes(models.GPT(cfg))
     swap_dir = tempfile.mkdtemp(prefix="bench-overlap-", dir=args.nvme_path or ".")
     try:
-        disk = fio_speed(swap_dir)
-        disk_tool = "fio"
-        if disk is None:
-            disk, disk_tool = engine_speed(swap_dir), "hetero engine (fio not installed)"
+        disk = disk_speed(swap_dir)
+        disk_tool = disk["tool"]
         common = dict(chunk_size=args.chunk_size)
         configs = {
             "eager": None,
@@ -163,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(swap_dir, ignore_errors=True)
     compute = res["eager"]["step_s"]
     nv = res["nvme_opt"]
-    io_s = nv["read_bytes"] / (disk["read_GBps"] * 1e9) + nv["write_bytes"] / (disk["write_GBps"] * 1e9)
+    io_s = io_seconds(nv["read_bytes"], nv["write_bytes"], disk)
     summary = {
-        "model": args.model, "state_bytes": state, "steps": steps, "disk": dict(disk, tool=disk_tool),
+        "model": args.model, "state_bytes": state, "steps": steps, "disk": disk,
         "configs": res, "compute_s": compute, "nvme_io_s": io_s,
         "ratios": {
             "resident/eager": res["resident"]["step_s"] / compute,

@@ -75,7 +75,7 @@ class Op:
     """
 
     __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
-                 "init", "deps", "handle", "state", "start", "issued", "restorable")
+                 "init", "deps", "handle", "state", "start", "restorable")
 
     def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
                  dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
@@ -85,13 +85,8 @@ class Op:
         self.deps = deps
         self.handle: Any = None
         self.state = "queued"  # queued -> running -> finished | failed | cancelled
-        self.start = self.issued = issued
+        self.start = issued
         self.restorable = True
-
-    @property
-    def frees_device(self) -> bool:
-        """Finishing it gives device memory back (an evicted device copy's storage)."""
-        return self.src == DEVICE and self.freed_src
 
     def regions(self) -> tuple[list[tuple], list[tuple]]:
         """(read, written) memory regions, for conflicts between ops."""

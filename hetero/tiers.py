@@ -254,11 +254,11 @@ class TierStorage:
 
     def forget(self, block, tier: str) -> None:
         """Give ``block``'s slots on ``tier`` back to the pool."""
+        if tier != DEVICE:
+            self.forget_at(tier, self.loc(block, tier), block.nbytes)
         if tier == HOST:
-            self.arena.pool.free(block.host_offset, block.nbytes)
             block.host_offset = None
         elif tier == NVME:
-            self.swap.free(block.nvme_loc, block.nbytes)
             block.nvme_loc = None
 
     def forget_at(self, tier: str, loc, nbytes: int) -> None:
