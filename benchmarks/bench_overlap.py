@@ -3,6 +3,7 @@
     python benchmarks/bench_overlap.py                 # small GPT, 30 steps per configuration
     python benchmarks/bench_overlap.py --quick         # fewer steps (a smoke run)
     python benchmarks/bench_overlap.py --json out.json
+    python benchmarks/bench_overlap.py --device cuda --model large --chunk-size 4MiB   # on a GPU
 
 Configurations (same model, seed and batches; stepped in turn, so all see the same machine load):
   eager      torch.optim.AdamW, everything resident: the compute-only time
@@ -101,21 +102,28 @@ class Run:
                  wrap_kwargs: dict | None) -> None:
         torch.manual_seed(args.seed)
         self.name, self.wrapped = name, wrap_kwargs is not None
+        self.device = torch.device(args.device)
         self.model = models.GPT(cfg)
         if self.wrapped:
-            self.model = hetero.wrap(self.model, device="cpu", **wrap_kwargs)
+            self.model = hetero.wrap(self.model, device=self.device, **wrap_kwargs)
             self.opt = hetero.optim.AdamW(self.model.parameters(), lr=1e-3)
         else:
+            self.model.to(self.device)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.times: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.to(self.device), y.to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         loss = self.model(x, y)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad()
         loss.item()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter() - t0)
 
     def result(self, steps: int) -> dict:
@@ -140,6 +148,7 @@ class Run:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small", choices=sorted(models.PRESETS))
+    p.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--chunk-size", default="256KiB")
@@ -177,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     nv = res["nvme_opt"]
     io_s = io_seconds(nv["read_bytes"], nv["write_bytes"], disk)
     summary = {
-        "model": args.model, "state_bytes": state, "steps": steps, "disk": disk,
+        "model": args.model, "device": args.device, "state_bytes": state, "steps": steps, "disk": disk,
         "configs": res, "compute_s": compute, "nvme_io_s": io_s,
         "ratios": {
             "resident/eager": res["resident"]["step_s"] / compute,
@@ -185,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "nvme_opt/max(compute,io)": nv["step_s"] / max(compute, io_s),
         },
     }
-    print(f"model {args.model}: training state {state / 2**20:.2f} MiB; {steps} steps per configuration "
+    print(f"model {args.model} on {args.device}: training state {state / 2**20:.2f} MiB; {steps} steps per configuration "
           f"(median of the last {steps - WARMUP}); disk ({disk_tool}): read {disk['read_GBps']:.2f} GB/s, "
           f"write {disk['write_GBps']:.2f} GB/s")
     print(f"{'config':<10} {'step s':>8} {'stall s':>8} {'nvme rd MiB':>12} {'nvme wr MiB':>12} {'h2d MiB':>8}")

@@ -221,10 +221,20 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(-1)
 
 
+def _torch_stream(stream: int, device: torch.device | None = None) -> torch.cuda.Stream:
+    """torch's stream object for the cudaStream_t ``stream``. 0, the legacy default stream, is
+    the device's default stream: ``torch.cuda.ExternalStream(0)`` does not order anything after
+    the work queued there (seen on an H200 with torch 2.11: a copy overtook the kernel that wrote
+    its source)."""
+    if stream == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(stream, device=device)
+
+
 def _record_on(stream: int, device: torch.device) -> torch.cuda.Event:
     """An event recorded now on ``stream`` (assumed to belong to ``device``)."""
     event = torch.cuda.Event()
-    event.record(torch.cuda.ExternalStream(stream, device=device))
+    event.record(_torch_stream(stream, device))
     return event
 
 
@@ -261,7 +271,7 @@ class _PyHandle:
         if self._event is None:
             self.wait()
         else:
-            torch.cuda.ExternalStream(stream).wait_event(self._event)
+            _torch_stream(stream).wait_event(self._event)
 
 
 class _PyCopyEngine:

@@ -74,3 +74,23 @@ def assert_within_budgets(wrapped: hetero.HeteroModule) -> dict:
         assert tier["peak"] <= tier["capacity"], f"{name} peak {tier['peak']} > capacity {tier['capacity']}"
         assert 0 <= tier["used"] <= tier["peak"]
     return rep
+
+
+def snapshot(model: hetero.HeteroModule, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Copies of the model's state dict and the optimizer's per-parameter state, to compare."""
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    osd = opt.state_dict()
+    state = {i: {k: v.clone() for k, v in s.items()} for i, s in osd["state"].items()}
+    return sd, state
+
+
+def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    """Two snapshots are bit-identical (a failed step must change nothing)."""
+    (sd_a, st_a), (sd_b, st_b) = a, b
+    assert sd_a.keys() == sd_b.keys()
+    for k in sd_a:
+        assert torch.equal(sd_a[k], sd_b[k]), f"parameter {k} changed"
+    assert st_a.keys() == st_b.keys()
+    for i in st_a:
+        for k in st_a[i]:
+            assert torch.equal(st_a[i][k], st_b[i][k]), f"optimizer state {i}.{k} changed"

@@ -10,10 +10,10 @@ from torch.utils.checkpoint import checkpoint
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, n_head: int = 2) -> None:
+    def __init__(self, d: int, n_head: int = 2, qkv_bias: bool = True) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = nn.Linear(d, 3 * d)
+        self.attn = nn.Linear(d, 3 * d, bias=qkv_bias)
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d)
@@ -34,15 +34,21 @@ class GPT(nn.Module):
 
     ``checkpointing``: each block runs under non-reentrant activation checkpointing;
     ``repeat_block``: block 0 is applied a second time at the end of the stack;
-    ``routed``: a per-batch router picks one of two expert MLPs, so the other one gets no gradient.
+    ``routed``: a per-batch router picks one of two expert MLPs, so the other one gets no gradient;
+    ``qkv_bias=False``: no bias on the attention's q/k/v projection. The key third of that bias has
+    a mathematically zero gradient (softmax ignores a shift shared by all keys), so what it gets is
+    rounding noise (~1e-9), and Adam turns noise near ``eps`` into updates of a fair fraction of lr
+    whose sign is the noise's. Runs whose arithmetic differs in the last bit (a CPU optimizer step against a
+    GPU one) therefore drift apart there by ~lr; comparisons across such runs use this option.
     """
 
     def __init__(self, vocab: int = 64, d: int = 32, n_layer: int = 3, seq: int = 16, *,
-                 checkpointing: bool = False, repeat_block: bool = False, routed: bool = False) -> None:
+                 checkpointing: bool = False, repeat_block: bool = False, routed: bool = False,
+                 qkv_bias: bool = True) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(seq, d)
-        self.h = nn.ModuleList(Block(d) for _ in range(n_layer))
+        self.h = nn.ModuleList(Block(d, qkv_bias=qkv_bias) for _ in range(n_layer))
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
                                      for _ in range(2)) if routed else None
         self.ln_f = nn.LayerNorm(d)

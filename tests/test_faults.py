@@ -9,31 +9,13 @@ import torch
 
 import hetero
 from hetero import engine
-from helpers import assert_same_model, assert_within_budgets, budgets, default_step
+from helpers import assert_same_model, assert_same_state, assert_within_budgets, budgets, default_step, snapshot
 from models import GPT, batches, state_bytes
 
 
 def make() -> GPT:
     torch.manual_seed(0)
     return GPT()
-
-
-def snapshot(model: hetero.HeteroModule, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
-    osd = opt.state_dict()
-    state = {i: {k: v.clone() for k, v in s.items()} for i, s in osd["state"].items()}
-    return sd, state
-
-
-def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
-    (sd_a, st_a), (sd_b, st_b) = a, b
-    assert sd_a.keys() == sd_b.keys()
-    for k in sd_a:
-        assert torch.equal(sd_a[k], sd_b[k]), f"parameter {k} changed"
-    assert st_a.keys() == st_b.keys()
-    for i in st_a:
-        for k in st_a[i]:
-            assert torch.equal(st_a[i][k], st_b[i][k]), f"optimizer state {i}.{k} changed"
 
 
 def swap_requests_per_step(tmp_path) -> int:
