@@ -147,7 +147,7 @@ run bench_copy "$PY" benchmarks/bench_copy.py --json "$OUT_DIR/copy.json"
 
 step "step time on the GPU: benchmarks/bench_overlap.py --device cuda"
 run bench_overlap "$PY" benchmarks/bench_overlap.py --device cuda --model "${GPU_CHECK_MODEL:-large}" \
-  --batch-size "${GPU_CHECK_BATCH:-32}" --chunk-size 4MiB --quick --no-progress --json "$OUT_DIR/overlap.json"
+  --batch-size "${GPU_CHECK_BATCH:-32}" --chunk-size "${GPU_CHECK_CHUNK:-64MiB}" --quick --no-progress --json "$OUT_DIR/overlap.json"
 
 step "CPU Adam benchmark: benchmarks/bench_adam.py (64M parameters)"
 run bench_adam "$PY" benchmarks/bench_adam.py --sizes 64M --threads "1,$(nproc)" --reps 3 --no-deepspeed \

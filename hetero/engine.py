@@ -413,9 +413,9 @@ def probe(directory: str | os.PathLike[str], *, backend: str = "auto",
                 old = best.get((bs, qd), (0.0, 0.0))
                 best[(bs, qd)] = (max(old[0], r), max(old[1], w))
     finally:
+        engine.shutdown()  # first: requests still queued after a failure must not outlive the fd
         if fd >= 0:
             engine.close(fd)
-        engine.shutdown()
         try:
             os.unlink(path)
         except OSError:

@@ -127,6 +127,11 @@ class Runtime:
         self._blocks: dict[str, Block] = {}
         self._on: dict[str, dict[Block, None]] = {name: {} for name in capacities}  # copies per tier
         self._in_flight: set[Block] = set()  # blocks being placed right now: never victims
+        # Tiers below each tier that this runtime has, and the two BlockInfo each block can show
+        # a policy (clean below or not): every eviction describes every candidate.
+        self._below = {t: tuple(u for u in TIER_ORDER[TIER_ORDER.index(t) + 1:] if u in self.tiers)
+                       for t in TIER_ORDER}
+        self._infos: dict[tuple[str, bool], BlockInfo] = {}
         self._ops: list[Op] = []  # issued and not yet finished, in issue order
         self._block_ops: dict[Block, list[Op]] = {}
         self._seq = itertools.count()
@@ -517,7 +522,11 @@ class Runtime:
     # ------------------------------------------------------------------ logical placement
 
     def _info(self, block: Block) -> BlockInfo:
-        return BlockInfo(block.id, block.kind, block.nbytes, clean_below=len(block.tiers) > 1)
+        key = (block.id, len(block.tiers) > 1)
+        info = self._infos.get(key)
+        if info is None or info.nbytes != block.nbytes:
+            info = self._infos[key] = BlockInfo(block.id, block.kind, block.nbytes, clean_below=key[1])
+        return info
 
     def _size_on(self, tier: str, block: Block) -> int:
         """Bytes ``block`` takes from ``tier``'s budget: whole slots below the device."""
@@ -549,8 +558,7 @@ class Runtime:
         if (tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._in_flight
                 or b in self._protected):
             return False
-        below = TIER_ORDER[TIER_ORDER.index(tier) + 1:]
-        return len(b.tiers) > 1 or any(t in self.tiers for t in below)
+        return len(b.tiers) > 1 or bool(self._below[tier])
 
     def _alloc(self, block: Block, tier: str, protect: set[Block]) -> None:
         """Reserve space for ``block`` on ``tier``, evicting as needed: policy-chosen victims while

@@ -212,9 +212,9 @@ class SwapSpace:
 
     def close(self) -> None:
         if self._finalizer.alive:
+            self.io.shutdown()  # finishes queued transfers: none may reach a closed (reused) fd
             for f in self.files:
                 self.io.close(f)
-            self.io.shutdown()
             self._finalizer()
             atexit.unregister(self._finalizer)
 

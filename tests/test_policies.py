@@ -87,6 +87,24 @@ def test_opt_is_belady_with_wrap_around() -> None:
     assert lru.victim("device", [info("a"), info("b"), info("c")]).id == "c"
 
 
+def test_opt_predictions_move_with_every_access() -> None:
+    """Opt remembers its predictions between accesses (every eviction asks about every
+    candidate); each observe and end_step must make it predict afresh."""
+    opt = Opt()
+    feed(opt, "abcd")
+    opt.end_step(0)
+    assert [opt.next_use(b, "device") for b in "abcd"] == [0, 1, 2, 3]
+    assert opt.victim("device", [info("a"), info("b")]).id == "b"
+    feed(opt, "a", step=1)
+    assert [opt.next_use(b, "device") for b in "abcd"] == [3, 0, 1, 2]
+    assert opt.victim("device", [info("a"), info("b")]).id == "a"
+    feed(opt, "bc", step=1)
+    assert opt.next_use("d", "device") == 0  # next, as recorded
+    opt.end_step(1)  # the recording becomes "abc" (d was not used): d is never needed again
+    assert opt.next_use("d", "device") == math.inf
+    assert [opt.next_use(b, "device") for b in "abc"] == [0, 1, 2]
+
+
 def test_opt_prefers_a_clean_victim_among_equal_futures() -> None:
     opt = Opt()
     feed(opt, "ab")

@@ -26,9 +26,13 @@ class Opt(Policy):
         self.fallback = fallback
         self._last: dict[str, int] = {}
         self.follow: list[tuple[int, int]] = []  # (matched, seen) accesses per completed step
+        # predict() per (block, tier) since the last observe/end_step, the only calls that change
+        # a prediction: every eviction asks about all candidates, often at the same position.
+        self._predicted: dict[tuple[str, str], tuple[float, bool]] = {}
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:
+        self._predicted.clear()
         self.timeline.observe(blocks, tier, write)
         if self.fallback is not None:
             self.fallback.observe(blocks, tier, step, seq, write)
@@ -36,13 +40,21 @@ class Opt(Policy):
             self._last[b] = seq + i
 
     def end_step(self, step: int) -> None:
+        self._predicted.clear()
         self.follow.append(self.timeline.end_step())
 
     def predict(self, block_id: str, tier: str) -> tuple[float, bool]:
         """(accesses until ``block_id`` is next needed on ``tier``, whether the recording says
         so). A copy the recording knows to be rewritten elsewhere first is certainly dead."""
         # A block on the host is needed there for any use (the device is fed through the host).
-        d = self.timeline.next_use(block_id, tier if tier == DEVICE else "*")
+        key = (block_id, tier if tier == DEVICE else "*")
+        found = self._predicted.get(key)
+        if found is None:
+            found = self._predicted[key] = self._predict(*key)
+        return found
+
+    def _predict(self, block_id: str, tier: str) -> tuple[float, bool]:
+        d = self.timeline.next_use(block_id, tier)
         if self.fallback is not None and (d is None or not self.timeline.reliable(block_id)):
             return self.fallback.predicted(block_id), False  # the recording cannot say: ask hotness
         return (math.inf, False) if d is None else (float(d), True)
