@@ -15,6 +15,9 @@ Two views of every block are kept apart:
   reads or writes; device memory an eviction is still giving back), so a slot is reused only after
   the transfer out of it completed and device memory in use never exceeds the device budget.
   Compute waits only in :meth:`acquire`, for the blocks it asked for; that wait is the stall time.
+  Host-side work on blocks can be an op too (:meth:`defer`: the optimizer's CPU step of a chunk),
+  so it runs on a worker while the next forward goes on, and whatever touches those blocks next
+  waits for it through the same conflict rules.
 
 Invariants kept at every instant:
 
@@ -39,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -75,7 +80,7 @@ class Op:
     """
 
     __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
-                 "init", "deps", "handle", "state", "start", "restorable")
+                 "init", "deps", "handle", "state", "start", "restorable", "compute")
 
     def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
                  dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
@@ -87,6 +92,7 @@ class Op:
         self.state = "queued"  # queued -> running -> finished | failed | cancelled
         self.start = issued
         self.restorable = True
+        self.compute = False  # host work on the block's copy at src (and dst: written), see defer
 
     def regions(self) -> tuple[list[tuple], list[tuple]]:
         """(read, written) memory regions, for conflicts between ops."""
@@ -95,8 +101,8 @@ class Op:
         return reads, writes
 
     def __repr__(self) -> str:
-        what = (f"hold {self.src}" if self.dst is None else f"fill {self.dst}" if self.src is None
-                else f"{self.src}->{self.dst}")
+        what = (f"compute on {self.src}" if self.compute else f"hold {self.src}" if self.dst is None
+                else f"fill {self.dst}" if self.src is None else f"{self.src}->{self.dst}")
         return f"<Op #{self.seq} {self.block.id} {what} {self.state}>"
 
 
@@ -113,6 +119,21 @@ def _region(block: Any, tier: str, loc: Any) -> tuple:
 
 def _overlap(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and a[1] == b[1] and a[2] < b[3] and b[2] < a[3]
+
+
+class _Deferred:
+    """The handle of deferred host work (:meth:`Runtime.defer`), shared by its blocks' ops."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()  # re-raises what the work raised
 
 
 class Runtime:
@@ -139,6 +160,7 @@ class Runtime:
         self.prefetching = True
         self._prefetching_now = False
         self._protected: set[Block] = set()
+        self._worker: Optional[ThreadPoolExecutor] = None  # runs deferred host work, in order
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -339,7 +361,33 @@ class Runtime:
         except HeteroIOError as exc:
             log.warning("hetero: a transfer failed while closing: %s", exc)
         finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
             self.storage.close()
+
+    def defer(self, tier: str, reads: Sequence[Block], writes: Sequence[Block],
+              fn: Callable[[], None]) -> None:
+        """Run ``fn``, which reads ``reads`` and writes ``writes`` on ``tier`` (host), on the
+        runtime's worker thread, and return at once. The caller holds all of them acquired on
+        ``tier`` (so they are there, with no transfer pending) and may release them right away:
+        each gets a compute op that every later transfer, acquire, eviction or slot reuse of the
+        block waits for, like any op. Deferred calls run one at a time, in order. Not recorded
+        in the event log: it changes no placement, only when the bytes are ready. An exception
+        of ``fn`` surfaces from the runtime call that waits for it."""
+        assert tier == HOST, "deferred work runs on host copies"
+        blocks = list(reads) + [b for b in writes if b not in reads]
+        for b in blocks:
+            assert b.pins.get(tier) and not self._block_ops.get(b), f"runtime bug: defer on {b}"
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hetero-defer")
+        handle = _Deferred(self._worker.submit(fn))
+        for b in blocks:
+            loc = self.storage.loc(b, tier)
+            op = Op(next(self._seq), b, tier, tier if b in writes else None, loc, loc, False, False,
+                    None, [], self.tracker.now())
+            op.compute, op.handle, op.state = True, handle, "running"
+            self._ops.append(op)
+            self._block_ops.setdefault(b, []).append(op)
 
     # ------------------------------------------------------------------ transactions
 
@@ -698,8 +746,14 @@ class Runtime:
                 op.state = "failed"
                 self._recover(op)
                 raise exc
-            self.tracker.move(op.block.id, op.src, op.dst, op.block.nbytes, op.start,
-                              self.tracker.now(), op.prefetch)
+            except BaseException:
+                if op.compute:  # deferred work raised: nothing to undo, the error is the caller's
+                    op.state = "failed"
+                    self._retire(op)
+                raise
+            if not op.compute:
+                self.tracker.move(op.block.id, op.src, op.dst, op.block.nbytes, op.start,
+                                  self.tracker.now(), op.prefetch)
         op.state = "finished"
         self._retire(op)
         if op.freed_src:
@@ -771,6 +825,7 @@ class Runtime:
                 else:
                     self._finish(op)
         for op in sorted(bad, key=lambda o: o.seq, reverse=True):
+            assert not op.compute, f"runtime bug: {op} undone (deferred work has no dependencies)"
             self._retire(op)
             block = op.block
             if op.dst is not None and op.dst in block.tiers:

@@ -6,12 +6,20 @@ kernel on CPU tiers, torch ops on a GPU). The tier is the device when the chunk'
 and the four blocks fit the device budget, else the host (a block on NVMe is staged through a host
 slot). The math is torch's single-tensor Adam, op for op, so results match ``torch.optim.Adam`` /
 ``AdamW`` to float32 rounding; ``state_dict()`` is torch's format and loads into either.
+
+Without an NVMe tier, a chunk stepped on the host is *deferred* (:meth:`Runtime.defer`):
+``step()`` returns once every chunk's update is queued on the runtime's worker, and the next
+forward waits only for the chunks it is about to use. Chunks are queued in the order the forward
+uses them, so on a GPU the CPU updates the later chunks while the GPU runs the first layers. The
+results are the same bits as a synchronous step. ``HETERO_DEFER_STEP=0`` turns it off. With NVMe
+the step stays synchronous, because it is all or nothing (below).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -151,8 +159,9 @@ class Adam(torch.optim.Optimizer):
         groups = self._group_index()
         work = [(c, runs) for c in self._chunks() if (runs := self._runs(c, groups))]
         if NVME not in rt.tiers:  # nothing can fail half-way
+            defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
             for chunk, runs in work:
-                self._step_chunk(chunk, runs, groups, shadow=False)
+                self._step_chunk(chunk, runs, groups, shadow=False, defer=defer)
             st.end_step()
             return loss
         steps = [(chunk, s, s.step) for chunk, _ in work for s in chunk.slots]
@@ -188,7 +197,7 @@ class Adam(torch.optim.Optimizer):
         return loss
 
     def _step_chunk(self, chunk: Chunk, runs: list[tuple[int, int, int, int]], groups: dict[int, int],
-                    shadow: bool) -> None:
+                    shadow: bool, defer: bool = False) -> None:
         rt = self._state.runtime
         for kind in (EXP_AVG, EXP_AVG_SQ):
             block = chunk.add_block(kind, chunk.state_dtype)
@@ -217,6 +226,7 @@ class Adam(torch.optim.Optimizer):
         try:
             w_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (master, grad, m, v))
             p_flat = rt.data(param, tier) if param is not None else None
+            calls = []
             for start, end, g, step in runs:
                 group = self.param_groups[g]
                 beta1, beta2 = group["betas"]
@@ -225,12 +235,22 @@ class Adam(torch.optim.Optimizer):
                 # Elsewhere the same math as torch ops (hetero.optim.kernel.adam_step_).
                 # Square roots as torch's default Adam takes them (bit-identical), or with
                 # fused=True as torch's fused AdamW does (IEEE sqrt: one pass, faster).
-                adam_step_(w_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end],
-                           step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], decoupled=self._decoupled,
-                           grad_scale=chunk.grad_scale,
-                           param_out=None if p_flat is None else p_flat[start:end],
-                           sqrt="ieee" if group.get("fused") else "torch")
+                calls.append(((w_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end]),
+                              dict(step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                   weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                                   grad_scale=chunk.grad_scale,
+                                   param_out=None if p_flat is None else p_flat[start:end],
+                                   sqrt="ieee" if group.get("fused") else "torch")))
+
+            def update() -> None:
+                with torch.no_grad():
+                    for args, kwargs in calls:
+                        adam_step_(*args, **kwargs)
+
+            if defer and tier == HOST:
+                rt.defer(tier, [grad], writes, update)
+            else:
+                update()
             for s in chunk.slots:
                 if id(s.param) in groups and s.has_grad:
                     s.step += 1
@@ -333,3 +353,4 @@ class AdamW(Adam):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+
