@@ -43,8 +43,7 @@ import contextlib
 import itertools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
