@@ -45,18 +45,22 @@ MODELS = {
 }
 
 
-def run(cfg: GPTConfig, policy: str, device_frac: float, host_frac: float, steps: int, chunk: str,
-        swap_dir: str) -> hetero.Report:
+def run(cfg: GPTConfig, policy: str, device_frac: float, host_frac: float | None, steps: int,
+        chunk: str, swap_dir: str | None, batch: tuple[int, int] | None = None) -> hetero.Report:
+    """The report of ``steps`` training steps of a GPT under these budgets (fractions of its
+    training state; ``host_frac`` None: no host budget and no swap) on batches of ``batch``
+    (sequences, tokens; default 8 x the model's block size)."""
     torch.manual_seed(0)
     model = GPT(cfg)
     total = state_bytes(model)
-    wrapped = hetero.wrap(model, device="cpu", device_budget=int(total * device_frac),
-                          host_budget=int(total * host_frac), nvme_path=swap_dir, chunk_size=chunk,
-                          policy=policy)
+    tiers = {} if host_frac is None else dict(host_budget=int(total * host_frac), nvme_path=swap_dir)
+    wrapped = hetero.wrap(model, device="cpu", device_budget=int(total * device_frac), chunk_size=chunk,
+                          policy=policy, **tiers)
     opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
     data = MarkovData(cfg.vocab_size, seed=1)
+    b, t = batch or (8, cfg.block_size)
     for _ in range(steps):
-        x, y = data.batch(8, cfg.block_size)
+        x, y = data.batch(b, t)
         wrapped(x, y).backward()
         opt.step()
         opt.zero_grad()

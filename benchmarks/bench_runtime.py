@@ -27,31 +27,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import torch
 from tqdm import tqdm
 
-import hetero
 from hetero import models
-from hetero.config import parse_size
 
-
-def record(model_name: str, chunk: int, device_frac: float, steps: int) -> hetero.Report:
-    """A report of ``steps`` training steps (batch 1 x 16 tokens) under the given budget."""
-    torch.manual_seed(0)
-    cfg = models.get_config(model_name)
-    model = models.GPT(cfg)
-    state = models.state_bytes(model)
-    wrapped = hetero.wrap(model, device="cpu", chunk_size=chunk, device_budget=int(state * device_frac))
-    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    data = models.MarkovData(cfg.vocab_size, seed=0)
-    for _ in range(steps):
-        x, y = data.batch(1, 16)
-        wrapped(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    report = wrapped.placement_report()
-    wrapped.close()
-    return report
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_policy import run  # noqa: E402  (a recorded training run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [s.strip() for s in args.chunks.split(",")]
     rows = {}
     for name in tqdm(chunks, desc="chunk sizes", disable=args.no_progress):
-        report = record(args.model, parse_size(name, "--chunks"), args.device_budget, args.steps)
+        report = run(models.get_config(args.model), "auto", args.device_budget, None, args.steps, name,
+                     None, batch=(1, 16))
         times = []
         for _ in range(args.reps):
             t0 = time.perf_counter()

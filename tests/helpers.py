@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -94,3 +95,23 @@ def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
     for i in st_a:
         for k in st_a[i]:
             assert torch.equal(st_a[i][k], st_b[i][k]), f"optimizer state {i}.{k} changed"
+
+
+def assert_failed_step_changes_nothing(model: hetero.HeteroModule, opt: torch.optim.Optimizer,
+                                       batch: Any, kind: str, after: int) -> None:
+    """A training step on ``batch`` hit by an injected swap ``kind`` fault after ``after`` more
+    requests raises HeteroIOError (from the step, or from the drain after it for a write-back)
+    and leaves every parameter and optimizer state as before; the gradients it made are cleared."""
+    from hetero import engine
+
+    model._hetero_state.runtime.drain()
+    before = snapshot(model, opt)
+    engine.inject_fault(kind, after=after)
+    try:
+        with pytest.raises(hetero.HeteroIOError):
+            default_step(model, opt, batch)
+            model._hetero_state.runtime.drain()  # a write-back failing after the step ends
+    finally:
+        engine.inject_fault("none")
+    opt.zero_grad()
+    assert_same_state(snapshot(model, opt), before)

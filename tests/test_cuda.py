@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import hetero
-from hetero import engine
-from helpers import assert_same_state, assert_within_budgets, default_step, snapshot
+from helpers import assert_failed_step_changes_nothing, assert_within_budgets, default_step
 from models import GPT, batches, state_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -68,17 +67,7 @@ def test_cuda_swap_fault_mid_step_changes_nothing(tmp_path) -> None:
         for b in data[:2]:
             default_step(model, opt, b)
             default_step(ref, ref_opt, b)
-        model._hetero_state.runtime.drain()
-        before = snapshot(model, opt)
-        engine.inject_fault("eio", after=after)
-        try:
-            with pytest.raises(hetero.HeteroIOError):
-                default_step(model, opt, data[2])
-                model._hetero_state.runtime.drain()
-        finally:
-            engine.inject_fault("none")
-        opt.zero_grad()
-        assert_same_state(snapshot(model, opt), before)
+        assert_failed_step_changes_nothing(model, opt, data[2], "eio", after)
         for b in data[2:]:
             assert default_step(model, opt, b) == pytest.approx(default_step(ref, ref_opt, b), rel=1e-4)
         sd = model.state_dict()
