@@ -121,18 +121,26 @@ def _overlap(a: tuple, b: tuple) -> bool:
 
 
 class _Deferred:
-    """The handle of deferred host work (:meth:`Runtime.defer`), shared by its blocks' ops."""
+    """The handle of deferred host work (:meth:`Runtime.defer`), shared by its blocks' ops: what
+    the work raised is raised by the first wait only."""
 
-    __slots__ = ("_future",)
+    __slots__ = ("_future", "_reported")
 
     def __init__(self, future: Future) -> None:
         self._future = future
+        self._reported = False
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self) -> None:
-        self._future.result()  # re-raises what the work raised
+        if self._reported:
+            return
+        try:
+            self._future.result()
+        except BaseException:
+            self._reported = True
+            raise
 
 
 class Runtime:
@@ -264,6 +272,7 @@ class Runtime:
                 pinned.append(block)
             for block in blocks:
                 self._wait_block(block, stall=True)
+            self._pump()  # start what the ops just finished were holding back
         except BaseException:
             for block in pinned:
                 block.pins[tier] -= 1

@@ -169,7 +169,10 @@ class HeteroState:
         finally:
             self.summoned = False
             for chunk, _ in copies:
-                if DEVICE in chunk.blocks[PARAM].tiers:
+                # Back to the device buffer only where it holds the data now (the runtime says
+                # so once an acquire has waited for it); a copy still on its way stays poisoned
+                # until the acquire that waits for it attaches it.
+                if getattr(chunk.blocks[PARAM], "attached", False):
                     chunk.attach_params()
                 else:
                     chunk.detach_params()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 from torch import nn
 
@@ -99,89 +98,3 @@ def test_prefetch_hides_transfer_time_behind_compute() -> None:
     # With it, transfers run while earlier units compute (COMPUTE > DELAY): little waiting left.
     assert stalled2 <= 0.25 * stalled0, (stalled0, stalled2)
 
-
-# ---- the optimizer's host step, deferred to the runtime's worker (hetero.optim.adam)
-
-SLOW = 0.01  # seconds added to every kernel call
-
-
-def deferred_run(monkeypatch, defer: str, fail: bool = False, step: bool = True):
-    """Two steps of the test GPT at a 25% device budget with a slow host kernel; returns the
-    model, its optimizer, the eager twin, how long the second ``step()`` took and a one-item
-    list counting the kernel calls made since (without ``step``: stops before that ``step()``)."""
-    import copy
-
-    from hetero.optim import adam as adam_mod
-    from helpers import default_step
-    from models import GPT, batches, state_bytes
-
-    monkeypatch.setenv("HETERO_DEFER_STEP", defer)
-    real, calls = adam_mod.adam_step_, [0]
-
-    def slow(*args, **kwargs):
-        calls[0] += 1
-        time.sleep(SLOW)
-        if fail:
-            raise RuntimeError("kernel failed")
-        real(*args, **kwargs)
-
-    torch.manual_seed(0)
-    net = GPT()
-    eager = copy.deepcopy(net)
-    model = hetero.wrap(net, device="cpu", device_budget=state_bytes(net) // 4, chunk_size="8KiB")
-    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    data = batches(4, seed=1)
-    default_step(model, opt, data[0])
-    default_step(eager, eager_opt, data[0])
-    monkeypatch.setattr(adam_mod, "adam_step_", slow)
-    x, y = data[1]
-    model(x, y).backward()
-    calls[0] = 0
-    if not step:
-        return model, opt, (eager, eager_opt, data), None, calls
-    t0 = time.perf_counter()
-    opt.step()
-    took = time.perf_counter() - t0
-    return model, opt, (eager, eager_opt, data), took, calls
-
-
-def test_deferred_step_returns_at_once_and_the_next_forward_waits_for_it(monkeypatch) -> None:
-    from helpers import default_step
-
-    model, opt, (eager, eager_opt, data), took, calls = deferred_run(monkeypatch, "1")
-    rt = model._hetero_state.runtime
-    assert any(op.compute for op in rt._ops), "nothing was deferred"
-    rt.drain()
-    n = calls[0]
-    assert n > 5 and took < 0.5 * n * SLOW, f"step() took {took:.3f} s for {n} slow kernel calls"
-    opt.zero_grad()
-    default_step(eager, eager_opt, data[1])
-    # Each next forward reads parameters the previous step's deferred work writes: it must wait.
-    for b in data[2:]:
-        assert default_step(model, opt, b) == default_step(eager, eager_opt, b)
-    rt.drain()
-    sd = model.state_dict()
-    for k, v in eager.state_dict().items():
-        assert torch.equal(sd[k], v), k
-    model.close()
-
-
-def test_synchronous_step_when_not_deferred(monkeypatch) -> None:
-    model, _, _, took, calls = deferred_run(monkeypatch, "0")
-    n = calls[0]
-    assert n > 5 and took >= n * SLOW
-    assert not any(op.compute for op in model._hetero_state.runtime._ops)
-    model.close()
-
-
-def test_deferred_step_failure_surfaces_and_the_runtime_drains(monkeypatch) -> None:
-    model, opt, _, _, _ = deferred_run(monkeypatch, "1", fail=True, step=False)
-    rt = model._hetero_state.runtime
-    with pytest.raises(RuntimeError, match="kernel failed"):  # from step() or a later call
-        opt.step()
-        rt.drain()
-    while rt._ops:  # every op of the failed work reports it once, then is gone
-        with pytest.raises(RuntimeError, match="kernel failed"):
-            rt.drain()
-    model.close()

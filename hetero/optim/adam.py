@@ -248,6 +248,12 @@ class Adam(torch.optim.Optimizer):
                         adam_step_(*args, **kwargs)
 
             if defer and tier == HOST:
+                # The work runs after step() returns: freeze what the caller may change by then
+                # (a scheduler updates a tensor lr in place; the next clip sets a grad scale).
+                for _, kwargs in calls:
+                    for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale"):
+                        if kwargs[k] is not None:
+                            kwargs[k] = float(kwargs[k])
                 rt.defer(tier, [grad], writes, update)
             else:
                 update()

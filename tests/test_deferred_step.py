@@ -1,0 +1,228 @@
+"""The deferred optimizer step (hetero.optim.adam, Runtime.defer): step() queues the host chunks'
+updates and returns; whatever touches those blocks next waits for them. A slow host kernel widens
+every race window: a deferred run must still equal the synchronous run bit for bit, whatever the
+caller does between steps."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import hetero
+from hetero.optim import adam as adam_mod
+from helpers import default_step
+from models import GPT, batches, state_bytes
+
+SLOW = 0.01  # seconds added to every kernel call where a test measures time
+SLOW_FUZZ = 0.003  # where it only widens race windows
+
+
+def slow_kernel(monkeypatch, delay: float, fail: bool = False) -> list[int]:
+    """Make every kernel call ``delay`` seconds slower (and the first one raise, with ``fail``);
+    returns a one-item list counting the calls."""
+    real, calls = adam_mod.adam_step_, [0]
+
+    def slow(*args, **kwargs):
+        calls[0] += 1
+        time.sleep(delay)
+        if fail and calls[0] == 1:
+            raise RuntimeError("kernel failed")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(adam_mod, "adam_step_", slow)
+    return calls
+
+
+def second_step(monkeypatch, defer: str, fail: bool = False, step: bool = True):
+    """One step of the test GPT at a 25% device budget, then the backward of a second one with a
+    slow kernel; returns the model, its optimizer, the eager twin (model, optimizer, batches),
+    how long the second ``step()`` took and the kernel-call counter (without ``step``: returns
+    before that ``step()``)."""
+    monkeypatch.setenv("HETERO_DEFER_STEP", defer)
+    torch.manual_seed(0)
+    net = GPT()
+    eager = copy.deepcopy(net)
+    model = hetero.wrap(net, device="cpu", device_budget=state_bytes(net) // 4, chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    data = batches(4, seed=1)
+    default_step(model, opt, data[0])
+    default_step(eager, eager_opt, data[0])
+    calls = slow_kernel(monkeypatch, SLOW, fail)
+    x, y = data[1]
+    model(x, y).backward()
+    if not step:
+        return model, opt, (eager, eager_opt, data), None, calls
+    t0 = time.perf_counter()
+    opt.step()
+    return model, opt, (eager, eager_opt, data), time.perf_counter() - t0, calls
+
+
+def test_deferred_step_returns_at_once_and_the_next_forward_waits_for_it(monkeypatch) -> None:
+    model, opt, (eager, eager_opt, data), took, calls = second_step(monkeypatch, "1")
+    rt = model._hetero_state.runtime
+    assert any(op.compute for op in rt._ops), "nothing was deferred"
+    rt.drain()
+    n = calls[0]
+    assert n > 5 and took < 0.5 * n * SLOW, f"step() took {took:.3f} s for {n} slow kernel calls"
+    opt.zero_grad()
+    default_step(eager, eager_opt, data[1])
+    # Each next forward reads parameters the previous step's deferred work writes: it must wait.
+    for b in data[2:]:
+        assert default_step(model, opt, b) == default_step(eager, eager_opt, b)
+    rt.drain()
+    sd = model.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    model.close()
+
+
+def test_synchronous_step_when_not_deferred(monkeypatch) -> None:
+    model, _, _, took, calls = second_step(monkeypatch, "0")
+    n = calls[0]
+    assert n > 5 and took >= n * SLOW
+    assert not any(op.compute for op in model._hetero_state.runtime._ops)
+    model.close()
+
+
+def test_deferred_step_failure_is_reported_once(monkeypatch) -> None:
+    model, opt, _, _, _ = second_step(monkeypatch, "1", fail=True, step=False)
+    rt = model._hetero_state.runtime
+    with pytest.raises(RuntimeError, match="kernel failed"):  # from step() or a later call
+        opt.step()
+        rt.drain()
+    rt.drain()  # the other ops of the failed work finish without raising it again
+    assert not rt._ops
+    model.close()
+
+
+# ---- deferred == synchronous, whatever happens between steps
+
+
+def train(monkeypatch, defer: str, between, mp=None, device=0.25, host=None, prefetch=2, steps=4):
+    """Losses, what ``between(model, opt, "pre"|"post", i)`` returned around each step(), and the
+    final model and optimizer state dicts of a short training run with a slow kernel."""
+    monkeypatch.setenv("HETERO_DEFER_STEP", defer)
+    torch.manual_seed(0)
+    net = GPT()
+    kw = dict(device="cpu", device_budget=int(state_bytes(net) * device), chunk_size="8KiB", prefetch=prefetch)
+    if host is not None:
+        kw["host_budget"] = int(state_bytes(net) * host)
+    if mp is not None:
+        kw["mixed_precision"] = hetero.MixedPrecision(param_dtype=mp, reduce_dtype=mp)
+    model = hetero.wrap(net, **kw)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, extra = [], []
+    for i, (x, y) in enumerate(batches(steps, seed=1)):
+        loss = model(x, y)
+        loss.backward()
+        extra.append(between(model, opt, "pre", i))
+        opt.step()
+        extra.append(between(model, opt, "post", i))
+        losses.append(loss.item())
+    model._hetero_state.runtime.drain()
+    result = losses, extra, model.state_dict(), opt.state_dict()
+    model.close()
+    return result
+
+
+def assert_same_run(a, b) -> None:
+    (la, ea, sda, osda), (lb, eb, sdb, osdb) = a, b
+    assert la == lb
+    for x, y in zip(ea, eb):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        elif isinstance(x, dict):
+            for k in x:
+                assert torch.equal(x[k], y[k]), k
+    for k in sda:
+        assert torch.equal(sda[k], sdb[k]), k
+    for i in osda["state"]:
+        for k in osda["state"][i]:
+            assert torch.equal(osda["state"][i][k], osdb["state"][i][k]), (i, k)
+
+
+def clip_then_zero_in_place(model, opt, when, i):
+    if when == "pre":
+        return model.clip_grad_norm_(0.05)
+    opt.zero_grad(set_to_none=False)
+
+
+def model_state_dict(model, opt, when, i):
+    if when == "post":
+        out = model.state_dict()
+        opt.zero_grad()
+        return out
+
+
+def optimizer_state_dict(model, opt, when, i):
+    if when == "post":
+        st = opt.state_dict()["state"]
+        opt.zero_grad()
+        return {f"{k}.{n}": v for k, d in st.items() for n, v in d.items() if n != "step"}
+
+
+def summon_and_write_back(model, opt, when, i):
+    if when == "post":
+        with model.summon_full_params(writeback=True):
+            for p in model.module.parameters():
+                p.data.mul_(0.999)
+        opt.zero_grad()
+
+
+def halve_lr(model, opt, when, i):
+    if when == "post":
+        for g in opt.param_groups:
+            g["lr"] = g["lr"] * 0.5
+        opt.zero_grad()
+
+
+def tensor_lr_scheduler(model, opt, when, i):
+    """A tensor lr (torch optimizers accept one; loading a torch state dict can bring one in)
+    that an LR scheduler updates in place right after step(), as torch's schedulers do: the
+    deferred work must use the lr of its step."""
+    if i == 0 and when == "pre":
+        for g in opt.param_groups:
+            g["lr"] = torch.tensor(g["lr"])
+        opt._test_scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    if when == "post":
+        opt._test_scheduler.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("between", [clip_then_zero_in_place, model_state_dict, optimizer_state_dict,
+                                     summon_and_write_back, halve_lr, tensor_lr_scheduler],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("mp", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deferred_equals_synchronous(monkeypatch, between, mp) -> None:
+    slow_kernel(monkeypatch, SLOW_FUZZ)
+    assert_same_run(train(monkeypatch, "0", between, mp=mp), train(monkeypatch, "1", between, mp=mp))
+
+
+def state_dicts_around_a_clipped_mixed_precision_step(model, opt, when, i):
+    """Found by fuzzing: a state dict read right after a deferred mixed-precision step, while a
+    prefetch of a parameter block was still queued behind the step's work, re-attached the
+    parameters to a device buffer not allocated yet."""
+    if when == "pre" and i == 2:
+        model.clip_grad_norm_(0.1)
+    if when == "post":
+        if i == 0:
+            opt.zero_grad()
+            opt.state_dict()
+        if i == 2:
+            model.state_dict()
+            opt.zero_grad(set_to_none=False)
+            with model.summon_full_params(writeback=True):
+                for p in model.module.parameters():
+                    p.data.mul_(0.999)
+        opt.zero_grad()
+
+
+def test_state_dict_after_a_deferred_mixed_precision_step(monkeypatch) -> None:
+    slow_kernel(monkeypatch, SLOW_FUZZ)
+    kw = dict(mp=torch.bfloat16, device=0.15, host=1.6, prefetch=4, steps=3)
+    between = state_dicts_around_a_clipped_mixed_precision_step
+    assert_same_run(train(monkeypatch, "0", between, **kw), train(monkeypatch, "1", between, **kw))
