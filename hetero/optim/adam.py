@@ -249,11 +249,13 @@ class Adam(torch.optim.Optimizer):
 
             if defer and tier == HOST:
                 # The work runs after step() returns: freeze what the caller may change by then
-                # (a scheduler updates a tensor lr in place; the next clip sets a grad scale).
+                # (a scheduler updates a tensor lr in place; the next clip sets a grad scale),
+                # and the caller's thread count (the worker thread would see its own default).
                 for _, kwargs in calls:
                     for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale"):
                         if kwargs[k] is not None:
                             kwargs[k] = float(kwargs[k])
+                    kwargs["threads"] = torch.get_num_threads()
                 rt.defer(tier, [grad], writes, update)
             else:
                 update()
