@@ -580,7 +580,7 @@ class Runtime:
     def _info(self, block: Block) -> BlockInfo:
         key = (block.id, len(block.tiers) > 1)
         info = self._infos.get(key)
-        if info is None or info.nbytes != block.nbytes:
+        if info is None:  # a block's id, kind and size never change
             info = self._infos[key] = BlockInfo(block.id, block.kind, block.nbytes, clean_below=key[1])
         return info
 

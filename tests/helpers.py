@@ -115,3 +115,21 @@ def assert_failed_step_changes_nothing(model: hetero.HeteroModule, opt: torch.op
         engine.inject_fault("none")
     opt.zero_grad()
     assert_same_state(snapshot(model, opt), before)
+
+
+def copy_engine(backend: str, monkeypatch: pytest.MonkeyPatch, cuda: bool = False):
+    """A 2-thread ``hetero.copies.CopyEngine`` on ``backend`` ("extension" or "python"), or a
+    skip where the extension (with its CUDA path, for ``cuda``) is not built."""
+    from hetero import copies
+
+    if backend == "extension":
+        if copies._C is None:
+            pytest.skip(f"hetero._C not built: {copies.EXTENSION_ERROR}")
+        if cuda and not copies._C.COPY_CUDA:
+            pytest.skip("hetero._C was built without CUDA (HETERO_CUDA)")
+        monkeypatch.delenv("HETERO_FORCE_PYTHON_COPY", raising=False)
+    else:
+        monkeypatch.setenv("HETERO_FORCE_PYTHON_COPY", "1")
+    eng = copies.CopyEngine(num_threads=2)
+    assert eng.backend == backend
+    return eng

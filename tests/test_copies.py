@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hetero import copies
+from helpers import copy_engine
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.complex64]
@@ -18,14 +19,7 @@ SIZES = [0, 1, 3, 7, 64, 4095, 4096, 4097, 65_537, 1 << 20, (9 << 20) + 13, (17 
 
 @pytest.fixture(params=["extension", "python"])
 def engine(request, monkeypatch):
-    if request.param == "extension":
-        if copies._C is None:
-            pytest.skip(f"hetero._C not built: {copies.EXTENSION_ERROR}")
-        monkeypatch.delenv("HETERO_FORCE_PYTHON_COPY", raising=False)
-    else:
-        monkeypatch.setenv("HETERO_FORCE_PYTHON_COPY", "1")
-    eng = copies.CopyEngine(num_threads=2)
-    assert eng.backend == request.param
+    eng = copy_engine(request.param, monkeypatch)
     yield eng
     eng.shutdown()
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hetero
+import helpers
 from helpers import assert_failed_step_changes_nothing, assert_within_budgets, default_step
 from models import GPT, batches, state_bytes
 
@@ -87,18 +88,7 @@ def test_host_arena_is_pinned() -> None:
 
 @pytest.fixture(params=["extension", "python"])
 def copy_engine(request, monkeypatch):
-    from hetero import copies
-
-    if request.param == "extension":
-        if copies._C is None:
-            pytest.skip(f"hetero._C not built: {copies.EXTENSION_ERROR}")
-        if not copies._C.COPY_CUDA:
-            pytest.skip("hetero._C was built without CUDA (HETERO_CUDA)")
-        monkeypatch.delenv("HETERO_FORCE_PYTHON_COPY", raising=False)
-    else:
-        monkeypatch.setenv("HETERO_FORCE_PYTHON_COPY", "1")
-    eng = copies.CopyEngine(num_threads=2)
-    assert eng.backend == request.param
+    eng = helpers.copy_engine(request.param, monkeypatch, cuda=True)
     yield eng
     eng.shutdown()
 

@@ -63,6 +63,17 @@ def random_buffer(nbytes: int, gen: torch.Generator) -> torch.Tensor:
     return buf
 
 
+def assert_round_trip(io: engine.SwapIO, f: engine.SwapFile, offs: list[int], bufs: list[torch.Tensor]) -> None:
+    """Write every buffer at its offset (all in flight at once), read them all back into fresh
+    buffers the same way, and compare byte for byte."""
+    for h in [io.write(f, o, b) for o, b in zip(offs, bufs)]:
+        h.wait()
+    outs = [engine.aligned_empty(b.numel()) for b in bufs]
+    for h in [io.read(f, o, b) for o, b in zip(offs, outs)]:
+        h.wait()
+    assert all(torch.equal(o, b) for o, b in zip(outs, bufs))
+
+
 def open_direct(io: engine.SwapIO, path, size: int) -> engine.SwapFile:
     f = io.open(path, size)
     if not f.direct:
@@ -365,12 +376,7 @@ def test_unaligned_round_trips_on_a_buffered_file(io, tmp_path):
         size = rng.randrange(1, 100_000)
         extents.append((pos, torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)))
         pos += size
-    for h in [io.write(f, off, buf) for off, buf in extents]:
-        h.wait()
-    outs = [torch.empty_like(buf) for _, buf in extents]
-    for h in [io.read(f, off, out) for (off, _), out in zip(extents, outs)]:
-        h.wait()
-    assert all(torch.equal(out, buf) for (_, buf), out in zip(extents, outs))
+    assert_round_trip(io, f, [off for off, _ in extents], [buf for _, buf in extents])
     with open(f.path, "rb") as plain:
         for off, buf in extents:
             plain.seek(off)
@@ -386,16 +392,8 @@ def test_concurrent_submitters(io, tmp_path):
     def client(t: int) -> None:
         try:
             gen = torch.Generator().manual_seed(t)
-            bufs = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
-                    for _ in range(per_thread)]
-            src = [engine.aligned_empty(size).copy_(b) for b in bufs]
-            offs = [(t * per_thread + i) * size for i in range(per_thread)]
-            for h in [io.write(f, o, b) for o, b in zip(offs, src)]:
-                h.wait()
-            outs = [engine.aligned_empty(size) for _ in offs]
-            for h in [io.read(f, o, b) for o, b in zip(offs, outs)]:
-                h.wait()
-            assert all(torch.equal(o, b) for o, b in zip(outs, bufs))
+            bufs = [random_buffer(size, gen) for _ in range(per_thread)]
+            assert_round_trip(io, f, [(t * per_thread + i) * size for i in range(per_thread)], bufs)
         except BaseException as exc:  # reported in the main thread
             errors.append(exc)
 
@@ -419,13 +417,7 @@ def test_split_requests_round_trip(tmp_path, backend, block_size, queue_depth):
         sizes = [PAGE, 7 * PAGE, 64 * PAGE, 300 * PAGE]
         offs = [sum(sizes[:i]) for i in range(len(sizes))]
         f = io.open(tmp_path / "split.bin", sum(sizes))
-        bufs = [random_buffer(n, gen) for n in sizes]
-        for h in [io.write(f, o, b) for o, b in zip(offs, bufs)]:
-            h.wait()
-        outs = [engine.aligned_empty(n) for n in sizes]
-        for h in [io.read(f, o, b) for o, b in zip(offs, outs)]:
-            h.wait()
-        assert all(torch.equal(o, b) for o, b in zip(outs, bufs))
+        assert_round_trip(io, f, offs, [random_buffer(n, gen) for n in sizes])
         io.close(f)
 
 
