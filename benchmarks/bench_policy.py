@@ -7,8 +7,8 @@ is then replayed on that log in the simulator (the same runtime and policy code,
 and compared with two clairvoyant lower bounds for the same accesses: Belady's page-level MIN
 (``belady_bound``) and the same with the constraints every placement obeys, co-residency of an
 acquire's blocks and free placement only at creation (``coresident_bound``, tighter, still a
-lower bound). Real runs of each policy give stall seconds (copies are synchronous, so stall
-time is all transfer time). ``ws`` is the largest device working set of a step (distinct bytes
+lower bound). Real runs of each policy give stall seconds (the time compute waited for blocks;
+transfers are asynchronous, so a prefetched transfer stalls nothing). ``ws`` is the largest device working set of a step (distinct bytes
 acquired on the device) over the budget: above 1 the budget is below the working set.
 
     python benchmarks/bench_policy.py                # full table, writes benchmarks/policy.png

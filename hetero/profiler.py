@@ -20,7 +20,7 @@ class Report:
     def __init__(self, summary: dict[str, Any], accesses: list[Access], moves: list[Move],
                  usage: list[tuple[float, str, int]], stalls: list[tuple[float, float, str]],
                  events: list[tuple] = (), catalog: Optional[dict[str, tuple[str, int]]] = None,
-                 slot_size: int = 4096, prefetch: int = 0) -> None:
+                 slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None) -> None:
         self._summary = summary
         self.accesses = accesses
         self.moves = moves
@@ -30,6 +30,7 @@ class Report:
         self.catalog = catalog or {}  # block id -> (kind, bytes)
         self.slot_size = slot_size
         self.prefetch = prefetch
+        self.host_slots = host_slots  # the host arena's size limit from the model state
 
     @classmethod
     def from_state(cls, state: "HeteroState") -> "Report":
@@ -57,7 +58,7 @@ class Report:
         }
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
         return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
-                   list(tr.events), catalog, rt.slot_size, rt.prefetch_depth)
+                   list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots)
 
     def capacities(self, **budgets: Optional[int]) -> dict[str, int]:
         """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced."""
@@ -73,7 +74,7 @@ class Report:
 
         return replay(self.events, self.catalog, policy or self._summary["policy"],
                       self.capacities(device=device, host=host, nvme=nvme), self.slot_size,
-                      self.prefetch if prefetch is None else prefetch)
+                      self.prefetch if prefetch is None else prefetch, self.host_slots)
 
     def belady_bound(self, device: Optional[int] = None) -> int:
         """Belady's minimum of bytes fetched onto the device for this run's accesses."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -52,8 +52,9 @@ from .config import Config, format_size
 from .errors import HeteroIOError, HeteroOOMError
 from .policies import BlockInfo, Policy
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, TierStorage,
-                    slot_size_for, slots_for)
+                    arena_slots, slot_size_for, slots_for)
 from .tracker import Tracker
+from .transfers import Deferred, InFlight, Op, region
 
 log = logging.getLogger(__name__)
 
@@ -68,87 +69,17 @@ def expected_block_bytes(chunks: Sequence[Chunk]) -> list[int]:
     return sizes
 
 
-class Op:
-    """One physical transfer of a block between tiers; or (``src`` None) filling a new block's
-    first copy; or (``dst`` None) the hold a freed copy keeps on its memory until the block's
-    earlier transfers are done.
-
-    ``src_loc`` / ``dst_loc`` are the locations at issue time (the block's logical location may
-    change before the op runs). ``freed_src``: the source copy was dropped logically when the op
-    was issued (an eviction), so undoing the op gives it back.
-    """
-
-    __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
-                 "init", "deps", "handle", "state", "start", "restorable", "compute")
-
-    def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
-                 dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
-                 deps: list["Op"], issued: float) -> None:
-        self.seq, self.block, self.src, self.dst, self.init = seq, block, src, dst, init
-        self.src_loc, self.dst_loc, self.freed_src, self.prefetch = src_loc, dst_loc, freed_src, prefetch
-        self.deps = deps
-        self.handle: Any = None
-        self.state = "queued"  # queued -> running -> finished | failed | cancelled
-        self.start = issued
-        self.restorable = True
-        self.compute = False  # host work on the block's copy at src (and dst: written), see defer
-
-    def regions(self) -> tuple[list[tuple], list[tuple]]:
-        """(read, written) memory regions, for conflicts between ops."""
-        reads = [] if self.src is None else [_region(self.block, self.src, self.src_loc)]
-        writes = [] if self.dst is None else [_region(self.block, self.dst, self.dst_loc)]
-        return reads, writes
-
-    def __repr__(self) -> str:
-        what = (f"compute on {self.src}" if self.compute else f"hold {self.src}" if self.dst is None
-                else f"fill {self.dst}" if self.src is None else f"{self.src}->{self.dst}")
-        return f"<Op #{self.seq} {self.block.id} {what} {self.state}>"
-
-
-def _region(block: Any, tier: str, loc: Any) -> tuple:
-    """A block copy's memory as (space, start, end): device memory is per block; host and NVMe
-    copies are byte ranges of the arena and of one swap file."""
-    if tier == DEVICE:
-        return (DEVICE, id(block), 0, 1)
-    n = -(-block.nbytes // 4096) * 4096
-    if tier == HOST:
-        return (HOST, 0, loc, loc + n)
-    return (NVME, loc[0], loc[1], loc[1] + n)
-
-
-def _overlap(a: tuple, b: tuple) -> bool:
-    return a[0] == b[0] and a[1] == b[1] and a[2] < b[3] and b[2] < a[3]
-
-
-class _Deferred:
-    """The handle of deferred host work (:meth:`Runtime.defer`), shared by its blocks' ops: what
-    the work raised is raised by the first wait only."""
-
-    __slots__ = ("_future", "_reported")
-
-    def __init__(self, future: Future) -> None:
-        self._future = future
-        self._reported = False
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self) -> None:
-        if self._reported:
-            return
-        try:
-            self._future.result()
-        except BaseException:
-            self._reported = True
-            raise
-
-
 class Runtime:
     def __init__(self, capacities: dict[str, int], slot_size: int, policy: Policy, storage: Any,
-                 prefetch: int = 0) -> None:
+                 prefetch: int = 0, host_slots: Optional[int] = None) -> None:
         self.tiers = {name: Tier(name, cap) for name, cap in capacities.items()}
         self.slot_size = slot_size
+        # The host arena's size limit from the model state (None: the host budget alone): the
+        # arena has min(host budget / slot, host_slots) slots, which the simulator must know.
+        self.host_slots = host_slots
         self.policy = policy
+        self._sizes: dict[str, int] = {}
+        policy.sizes = self._sizes
         self.storage = storage
         self.prefetch_depth = prefetch
         self.tracker = Tracker()
@@ -160,8 +91,7 @@ class Runtime:
         self._below = {t: tuple(u for u in TIER_ORDER[TIER_ORDER.index(t) + 1:] if u in self.tiers)
                        for t in TIER_ORDER}
         self._infos: dict[tuple[str, bool], BlockInfo] = {}
-        self._ops: list[Op] = []  # issued and not yet finished, in issue order
-        self._block_ops: dict[Block, list[Op]] = {}
+        self._ops = InFlight(slot_size)  # issued and not yet finished
         self._seq = itertools.count()
         self._txn: Optional[_Transaction] = None
         self.prefetching = True
@@ -174,8 +104,9 @@ class Runtime:
         """The runtime of a wrapped model: real device buffers, a host arena, swap files."""
         sizes = expected_block_bytes(chunks)
         slot = slot_size_for(cfg.chunk_size, sizes)
-        needed = sum(slots_for(n, slot) for n in sizes)  # the arena never exceeds the whole state
-        arena = HostArena(min(cfg.host_budget // slot, needed), slot, pin=cfg.device.type == "cuda")
+        needed = sum(slots_for(n, slot) for n in sizes)
+        limit = arena_slots(sizes, slot)  # the arena never exceeds what the state can use
+        arena = HostArena(min(cfg.host_budget // slot, limit), slot, pin=cfg.device.type == "cuda")
         capacities = {DEVICE: cfg.device_budget, HOST: cfg.host_budget}
         swap = None
         if cfg.nvme_path is not None:
@@ -184,7 +115,7 @@ class Runtime:
             # whole state plus its shadows during an optimizer step — not the rest of the budget,
             # which defaults to most of the disk.
             swap = SwapSpace(cfg.nvme_path, min(cfg.nvme_budget, 2 * needed * slot), slot, max(sizes, default=0))
-        return cls(capacities, slot, policy, TierStorage(cfg.device, arena, swap), cfg.prefetch)
+        return cls(capacities, slot, policy, TierStorage(cfg.device, arena, swap), cfg.prefetch, limit)
 
     # ------------------------------------------------------------------ queries
 
@@ -223,6 +154,7 @@ class Runtime:
         the policy's choice."""
         assert not block.tiers, f"{block} already exists"
         self._blocks[block.id] = block
+        self._sizes[block.id] = block.nbytes
         self.tracker.event("create", block.id, block.kind, block.nbytes, tier)
         if tier is None:
             tier = self.policy.home(self._info(block), self.free_bytes(),
@@ -339,7 +271,7 @@ class Runtime:
             return
         assert not any(block.pins.values()), f"{block} is discarded while in use"
         self.tracker.event("discard", block.id)
-        for op in self._block_ops.get(block, ()):
+        for op in self._ops.of(block):
             op.restorable = False  # the data is dead: undoing a transfer never brings it back
         for tier in list(block.tiers):
             self._free(block, tier, restorable=False)
@@ -359,8 +291,8 @@ class Runtime:
     def drain(self) -> None:
         """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it)."""
         while self._ops:
-            op = self._ops[0]
-            assert op.state in ("queued", "running"), f"runtime bug: {op} left in flight"
+            op = self._ops.first()
+            assert op.pending, f"runtime bug: {op} left in flight"
             self._wait_op(op)
 
     def close(self) -> None:
@@ -385,17 +317,16 @@ class Runtime:
         assert tier == HOST, "deferred work runs on host copies"
         blocks = list(reads) + [b for b in writes if b not in reads]
         for b in blocks:
-            assert b.pins.get(tier) and not self._block_ops.get(b), f"runtime bug: defer on {b}"
+            assert b.pins.get(tier) and not self._ops.of(b), f"runtime bug: defer on {b}"
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="hetero-defer")
-        handle = _Deferred(self._worker.submit(fn))
+        handle = Deferred(self._worker.submit(fn))
         for b in blocks:
             loc = self.storage.loc(b, tier)
             op = Op(next(self._seq), b, tier, tier if b in writes else None, loc, loc, False, False,
-                    None, [], self.tracker.now())
-            op.compute, op.handle, op.state = True, handle, "running"
-            self._ops.append(op)
-            self._block_ops.setdefault(b, []).append(op)
+                    None, self.tracker.now(), compute=True)
+            op.handle, op.state = handle, "running"
+            self._ops.add(op)
 
     # ------------------------------------------------------------------ transactions
 
@@ -528,13 +459,15 @@ class Runtime:
         if self.prefetch_depth <= 0:
             return
         ahead = self.policy.upcoming(2 * self.prefetch_depth)
-        near = self.policy.upcoming(self.prefetch_depth)
+        near = None  # how many of them the next ``prefetch`` acquires make up (asked when needed)
         for i, (block_id, tier) in enumerate(ahead):
             block = self._blocks.get(block_id)
             if (block is None or not block.tiers or tier == NVME or tier in block.tiers
                     or any(block.pins.values()) or (self._txn is not None and block in self._txn.shadows)):
                 continue  # absent or discarded, already there, in use, or holding a shadow
-            target = tier if i < len(near) else HOST
+            if near is None:
+                near = len(self.policy.upcoming(self.prefetch_depth))
+            target = tier if i < near else HOST
             if target == HOST and HOST in block.tiers:
                 continue
             horizon = self.policy.next_use(block_id, tier)
@@ -691,10 +624,13 @@ class Runtime:
 
     def _free(self, block: Block, tier: str, restorable: bool = True) -> None:
         """Drop ``block``'s copy on ``tier`` and give its memory back — at once, or (when
-        transfers of the block are still running) through a hold op that ends after them."""
+        unfinished ops of the block read or write that copy) through a hold op that ends after
+        them. A copy no op touches goes at once: the device copy of a gradient discarded while
+        the deferred update of its chunk still reads the host copy must not hold device memory,
+        which every later transfer onto the device would wait for."""
         loc = self.storage.loc(block, tier)
         self._drop(block, tier)
-        if self._block_ops.get(block):
+        if self._ops.touch(block, region(block, tier, loc)):
             op = self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False)
             op.restorable = restorable  # a discarded copy is dead: undoing never brings it back
         else:
@@ -702,34 +638,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ physical transfers
 
-    def _conflicts(self, block: Block, op: Op) -> list[Op]:
-        """Unfinished ops that must finish before ``op`` starts: those of the same block, those
-        using memory it writes or writing memory it reads, and (for a transfer onto the device)
-        evictions still giving device memory back."""
-        reads, writes = op.regions()
-        deps = []
-        for p in self._ops:
-            if p is op:
-                continue
-            # Device memory, and slot budget below it, freed by an earlier op is only free once
-            # that op finished: a later placement may use the bytes (in another slot), and if the
-            # earlier op fails, undoing it takes them back.
-            if p.block is block or (op.dst is not None and p.freed_src and p.src == op.dst):
-                deps.append(p)
-                continue
-            p_reads, p_writes = p.regions()
-            if (any(_overlap(w, r) for w in writes for r in p_reads + p_writes)
-                    or any(_overlap(r, w) for r in reads for w in p_writes)):
-                deps.append(p)
-        return deps
-
     def _issue(self, block: Block, src: Optional[str], dst: Optional[str], src_loc: Any, dst_loc: Any,
                freed_src: bool, prefetch: bool, init: Optional[torch.Tensor] = None) -> Op:
-        op = Op(next(self._seq), block, src, dst, src_loc, dst_loc, freed_src, prefetch, init, [],
+        op = Op(next(self._seq), block, src, dst, src_loc, dst_loc, freed_src, prefetch, init,
                 self.tracker.now())
-        op.deps = self._conflicts(block, op)
-        self._ops.append(op)
-        self._block_ops.setdefault(block, []).append(op)
+        op.deps = self._ops.conflicts(op)
+        self._ops.add(op)
         if not op.deps:
             self._start(op)
         return op
@@ -769,14 +683,10 @@ class Runtime:
 
     def _retire(self, op: Op) -> None:
         self._ops.remove(op)
-        ops = self._block_ops[op.block]
-        ops.remove(op)
-        if not ops:
-            del self._block_ops[op.block]
 
     def _wait_op(self, op: Op) -> None:
         for d in op.deps:
-            if d.state in ("queued", "running"):
+            if d.pending:
                 self._wait_op(d)
         if op.state == "queued":
             self._start(op)
@@ -784,7 +694,7 @@ class Runtime:
             self._finish(op)
 
     def _wait_for(self, ops: Iterable[Op], stall: bool, block: Optional[Block] = None) -> None:
-        ops = [o for o in ops if o.state in ("queued", "running")]
+        ops = [o for o in ops if o.pending]
         if not ops:
             return
         start = self.tracker.now()
@@ -796,16 +706,22 @@ class Runtime:
                 self.tracker.stall(start, self.tracker.now(), (block or ops[0].block).id)
 
     def _wait_block(self, block: Block, stall: bool) -> None:
-        ops = list(self._block_ops.get(block, ()))
+        ops = list(self._ops.of(block))
         busy = any(o.state == "queued" or (o.handle is not None and not o.handle.done()) for o in ops)
         self._wait_for(ops, stall and busy, block)
 
     def _pump(self, finish: bool = True) -> None:
         """Retire finished transfers (unless ``finish`` is False: then no error can surface here)
         and start those whose conflicts are gone; never blocks."""
-        for op in list(self._ops):
-            if finish and op.state == "running" and (op.handle is None or op.handle.done()):
-                self._finish(op)
+        deferred_busy = False  # deferred work runs in order: once one is busy, so is the rest
+        for op in self._ops:
+            if op.state == "running":
+                if not finish or (op.compute and deferred_busy):
+                    continue
+                if op.handle is None or op.handle.done():
+                    self._finish(op)
+                elif op.compute:
+                    deferred_busy = True
             elif op.state == "queued" and all(d.state == "finished" for d in op.deps):
                 self._start(op)
 

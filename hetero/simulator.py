@@ -57,8 +57,9 @@ class SimStorage:
     its transfers finish at once, so the runtime's decisions (which never depend on timing) are
     those of the run it replays."""
 
-    def __init__(self, capacities: Mapping[str, int], slot_size: int) -> None:
-        self.host = SlotPool(max(1, capacities[HOST] // slot_size), slot_size)
+    def __init__(self, capacities: Mapping[str, int], slot_size: int, host_slots: Optional[int] = None) -> None:
+        slots = capacities[HOST] // slot_size
+        self.host = SlotPool(max(1, slots if host_slots is None else min(slots, host_slots)), slot_size)
         self.nvme = SlotPool(max(1, capacities.get(NVME, 0) // slot_size), slot_size)
 
     def place(self, block: SimBlock, tier: str) -> bool:
@@ -141,12 +142,14 @@ class SimResult:
 
 def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],
            policy: "str | Policy", capacities: Mapping[str, int], slot_size: int,
-           prefetch: int = 2) -> SimResult:
+           prefetch: int = 2, host_slots: Optional[int] = None) -> SimResult:
     """Re-issue ``events`` (a run's ``Report.events``) against a runtime with ``policy`` and
     ``capacities`` ({"device": bytes, "host": bytes, "nvme": bytes}); ``catalog`` maps block
-    ids to ``(kind, nbytes)``. With the run's own policy and budgets the result is the run's."""
+    ids to ``(kind, nbytes)``; ``host_slots`` caps the host arena's slots as the run's model
+    state did (``Report.host_slots``). With the run's own policy and budgets the result is the
+    run's."""
     rt = Runtime(dict(capacities), slot_size, make_policy(policy) if isinstance(policy, str) else policy,
-                 SimStorage(capacities, slot_size), prefetch)
+                 SimStorage(capacities, slot_size, host_slots), prefetch, host_slots)
     blocks: dict[str, SimBlock] = {}
 
     def get(block_id: str) -> SimBlock:

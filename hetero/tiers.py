@@ -74,6 +74,14 @@ def slots_for(nbytes: int, slot_size: int) -> int:
     return max(1, -(-nbytes // slot_size))
 
 
+def arena_slots(block_bytes: "list[int]", slot_size: int) -> int:
+    """The most slots the host arena needs: every block once, plus a run for the largest block,
+    so that with the whole state on the host a block spanning several slots can still find room
+    without evicting (the host budget may cap it lower)."""
+    slots = [slots_for(n, slot_size) for n in block_bytes]
+    return sum(slots) + max(slots, default=0)
+
+
 class SlotPool:
     """Fixed-size slots; a block takes ``ceil(nbytes / slot_size)`` contiguous slots (first fit).
 

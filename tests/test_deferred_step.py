@@ -80,6 +80,23 @@ def test_deferred_step_returns_at_once_and_the_next_forward_waits_for_it(monkeyp
     model.close()
 
 
+
+def test_each_parameter_fetch_waits_only_for_its_own_chunks_update(monkeypatch) -> None:
+    # zero_grad drops the gradients' device copies while their chunks' deferred updates still
+    # read the host copies: that device memory must not be held until then, or every transfer
+    # onto the device (the next forward's first fetch) waits for the whole queue.
+    model, opt, (_, _, data), _, _ = second_step(monkeypatch, "1")
+    rt = model._hetero_state.runtime
+    queued = len({id(op.handle) for op in rt._ops if op.compute and not op.handle.done()})
+    opt.zero_grad()
+    before = len(rt.tracker.stalls)
+    model(*data[2])
+    longest = max((end - start for start, end, _ in rt.tracker.stalls[before:]), default=0.0)
+    assert queued > 5 and longest < 0.25 * queued * SLOW, (
+        f"a fetch waited {longest:.3f} s; {queued} chunk updates of {SLOW} s or more were queued")
+    rt.drain()
+    model.close()
+
 def test_synchronous_step_when_not_deferred(monkeypatch) -> None:
     model, _, _, took, calls = second_step(monkeypatch, "0")
     n = calls[0]

@@ -229,6 +229,28 @@ def test_static_homes_are_fixed_by_kind() -> None:
     assert s.home(info("m", nbytes=1000, kind="exp_avg"), free, caps) == "nvme"  # host short
 
 
+def test_opt_homes_optimizer_states_on_the_device_only_beside_the_working_set() -> None:
+    caps = {"device": 100, "host": 1000}
+    empty, full = {"device": 100, "host": 1000}, {"device": 0, "host": 1000}  # full: of cached blocks
+    o = Auto()
+    o.sizes = {"a": 30, "b": 30, "c": 30}
+    # Nothing seen yet: only where the device stays at least half free.
+    assert o.home(info("m2", nbytes=1, kind="exp_avg"), full, caps) == "host"
+    assert o.home(info("m0", nbytes=50, kind="exp_avg"), empty, caps) == "device"
+    assert o.home(info("m1", nbytes=51, kind="exp_avg"), empty, caps) == "host"  # 50 + 51 > 100
+    o = Auto()
+    o.sizes = {"a": 30, "b": 30, "c": 30}
+    feed(o, "ab")  # this step uses 60 bytes on the device so far; homes may evict cached blocks
+    assert o.home(info("m", nbytes=20, kind="exp_avg"), full, caps) == "device"  # 60 + 20 <= 100
+    assert o.home(info("v", nbytes=20, kind="exp_avg_sq"), full, caps) == "device"  # 80 + 20 <= 100
+    assert o.home(info("w", nbytes=1, kind="exp_avg_sq"), full, caps) == "host"  # 100 + 1 > 100
+    o.end_step(0)
+    feed(o, "a", step=1)  # a smaller step so far: the largest step seen (100) still counts
+    assert o.home(info("x", nbytes=1, kind="master"), full, caps) == "host"
+    # Other kinds take the fastest tier with room, as always.
+    assert o.home(info("p", nbytes=10), {"device": 10, "host": 0}, caps) == "device"
+
+
 def events_for(groups_per_step: list[list[str]], steps: int) -> list[tuple]:
     events: list[tuple] = [("create", b, "param", 4096, None) for b in sorted({b for g in groups_per_step for b in g})]
     for _ in range(steps):

@@ -85,7 +85,7 @@ def bounded_drain(rt: R.Runtime) -> None:
     """``Runtime.drain`` that raises instead of spinning forever on an op left behind in a
     terminal state (what a crash inside ``_recover`` leaves)."""
     while rt._ops:
-        op = rt._ops[0]
+        op = rt._ops.first()
         if op.state not in ("queued", "running"):
             raise RuntimeError(f"drain would spin forever: {op} is still listed as in flight")
         rt._wait_op(op)
@@ -262,7 +262,7 @@ def test_failure_while_a_started_hold_op_is_in_flight_is_undone(rig) -> None:
     rt.drain()
     rt.create(a, tier=NVME)  # a's write to NVMe is in flight ...
     rt.discard(a)  # ... so freeing its NVMe copy is a hold op queued behind it
-    write_back = rt._ops[0]
+    write_back = rt._ops.first()
     write_back.handle.wait()  # the write is done; the next _pump retires it and starts the hold
     engine.inject_fault("eio", 0)  # c's read, issued by the same acquire, fails
     with pytest.raises(HeteroIOError):
@@ -322,7 +322,7 @@ def test_end_step_ends_the_step_even_when_an_earlier_transfer_failed(rig) -> Non
     a = TB("a", 1024)
     engine.inject_fault("eio", 0)
     rt.create(a, tier=NVME)  # its write to NVMe fails in the background
-    while not rt._ops[0].handle.done():
+    while not rt._ops.first().handle.done():
         pass
     step = rt.tracker.step
     with pytest.raises(HeteroIOError):
@@ -458,12 +458,10 @@ def test_replay_reproduces_a_run_that_survived_a_failed_transfer(swapdir, faults
         close_model(model)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Runtime.for_chunks sizes the host arena to the model state (min(host_budget, needed)) but "
-    "keeps the whole host budget as the tier's capacity; with shadows the arena runs out of slots "
-    "while the budget has room, so the run evicts where the simulator (host pool = budget) does "
-    "not: replay traffic differs"))
 def test_replay_reproduces_a_run_whose_host_budget_exceeds_the_state(swapdir) -> None:
+    """The host arena is sized to the model state, below this host budget: the simulator must
+    carve the same arena (``Report.host_slots``), or where shadows fill it the run evicts and
+    the replay does not."""
     model = wrap_gpt(swapdir, 0.3, 3.0, "auto")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     try:

@@ -6,7 +6,9 @@ runtime (and the simulator, which is the same runtime over simulated storage) ca
 * :meth:`Policy.observe` for every recorded acquire, and :meth:`Policy.end_step` after each step;
 * :meth:`Policy.victim` to choose which unpinned block leaves a full tier;
 * :meth:`Policy.home` for the tier a new block starts on;
-* :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order.
+* :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order;
+
+and keeps :attr:`Policy.sizes` current (the bytes of every block it has created, by id).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import types
 from typing import Mapping, Optional, Sequence
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
@@ -35,6 +38,9 @@ class Policy:
     """Base class of placement policies (subclass it to pass an instance as ``policy=``)."""
 
     name = "base"
+
+    #: bytes of every block the runtime has created, by id (the runtime sets and updates it)
+    sizes: Mapping[str, int] = types.MappingProxyType({})
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:
@@ -103,9 +109,14 @@ class Timeline:
         self._hits: dict[str, float] = {}  # recorded uses that came true, per block (decayed)
         self._misses: dict[str, float] = {}  # recorded uses skipped (the step went another way)
         self.provisional = False  # ``recorded`` is the current step's forward mirrored, a guess
+        # next_use per (block, tier) as (valid while pos <= this, answer), both as positions in
+        # the recording unrolled from ``pos`` (a position before ``pos`` counts from the next
+        # step): an answer only changes once the current step has passed the block's next use.
+        self._next: dict[tuple[str, str], tuple[float, Optional[float]]] = {}
 
     def _adopt(self, recorded: list[tuple[str, str, int]], writes: set[int]) -> None:
         self.recorded, self._writes = recorded, writes
+        self._next = {}
         self._index = {}
         for i, (b, t, _) in enumerate(self.recorded):
             self._index.setdefault((b, t), []).append(i)
@@ -165,6 +176,7 @@ class Timeline:
             self.provisional = False
         self._current, self._current_writes = [], set()
         self._groups, self.pos, self.matched, self.seen = 0, 0, 0, 0
+        self._next = {}
         return result
 
     def reliable(self, block: str) -> bool:
@@ -178,24 +190,36 @@ class Timeline:
         block seen for the first time last step (an expert the router just picked) is not yet."""
         return self._hits.get(block, 0) > 0 and self.reliable(block)
 
-    def next_use(self, block: str, tier: str) -> Optional[int]:
+    def next_use(self, block: str, tier: str) -> Optional[float]:
         """Accesses until ``block`` is next used on ``tier`` ("*": anywhere), wrapping into the
         next step; None when the recorded step never uses it there. A copy on ``tier`` that a
         write on another tier will replace first is never used again: infinity."""
+        known = self._next.get((block, tier))
+        if known is None or self.pos > known[0]:
+            known = self._next[(block, tier)] = self._scan(block, tier)
+        answer = known[1]
+        return answer if answer is None else answer - self.pos
+
+    def _scan(self, block: str, tier: str) -> tuple[float, Optional[float]]:
+        """(the block's first use from ``pos`` on any tier, the answer of :meth:`next_use`), as
+        unrolled positions (see ``_next``)."""
         positions = self._index.get((block, "*"))
         if not positions:
-            return None
+            return math.inf, None
         n = len(self.recorded)
         i = bisect.bisect_left(positions, self.pos)
+        first = None
         for k in range(len(positions)):
             p = positions[(i + k) % len(positions)]
-            distance = p - self.pos if p >= self.pos else n - self.pos + p
+            unrolled = p if p >= self.pos else p + n
+            if first is None:
+                first = unrolled
             t = self.recorded[p][1]
             if tier == "*" or t == tier:
-                return distance
+                return first, unrolled
             if p in self._writes:
-                return math.inf  # rewritten elsewhere before this copy is used again
-        return None
+                return first, math.inf  # rewritten elsewhere before this copy is used again
+        return first, None
 
     #: exact matches in a row needed before prefetching from the recording again
     LOCK = 8

@@ -29,6 +29,12 @@ class Opt(Policy):
         # predict() per (block, tier) since the last observe/end_step, the only calls that change
         # a prediction: every eviction asks about all candidates, often at the same position.
         self._predicted: dict[tuple[str, str], tuple[float, bool]] = {}
+        # Distinct bytes the step uses on the device (see home): the largest completed step's,
+        # and this step's so far, with the optimizer blocks given a device home in it.
+        self._ws_max = 0
+        self._ws_extra = 0  # optimizer blocks homed on the device this step
+        self._dev_now: set[str] = set()
+        self._ws_now = 0
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:
@@ -38,10 +44,20 @@ class Opt(Policy):
             self.fallback.observe(blocks, tier, step, seq, write)
         for i, b in enumerate(blocks):
             self._last[b] = seq + i
+        if tier == DEVICE:
+            self._use_device(blocks)
+
+    def _use_device(self, blocks: Sequence[str]) -> None:
+        for b in blocks:
+            if b not in self._dev_now:
+                self._dev_now.add(b)
+                self._ws_now += self.sizes.get(b, 0)
 
     def end_step(self, step: int) -> None:
         self._predicted.clear()
         self.follow.append(self.timeline.end_step())
+        self._ws_max = max(self._ws_max, self._ws_now)
+        self._dev_now, self._ws_now, self._ws_extra = set(), 0, 0
 
     def predict(self, block_id: str, tier: str) -> tuple[float, bool]:
         """(accesses until ``block_id`` is next needed on ``tier``, whether the recording says
@@ -75,9 +91,19 @@ class Opt(Policy):
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Optimizer states are used once a step (long reuse distance): they take the device only
-        when it stays at least half free after them; everything else takes the fastest room."""
+        where they cannot push out what every step needs there, so their chunk's update runs on
+        the device and moves nothing. That is where they fit beside the device working set (the
+        distinct bytes a step uses there: the largest step seen, or this first one so far), or
+        where the device stays at least half free after them (when nothing is known yet, or
+        the step has finished with most of what it held). Everything else takes the fastest
+        room."""
         if block.kind in OPTIMIZER_KINDS:
-            if free.get(DEVICE, 0) - block.nbytes >= capacity.get(DEVICE, 0) / 2:
+            cap = capacity.get(DEVICE, 0)
+            ws = max(self._ws_max + self._ws_extra, self._ws_now)
+            if (ws and ws + block.nbytes <= cap) or free.get(DEVICE, 0) - block.nbytes >= cap / 2:
+                self._ws_extra += block.nbytes
+                self._dev_now.add(block.id)
+                self._ws_now += block.nbytes
                 return DEVICE
             tiers = [t for t in TIER_ORDER if t != DEVICE]
         else:

@@ -1,0 +1,193 @@
+"""Physical transfers in flight, and the conflict rules that order them.
+
+The runtime (:mod:`hetero.runtime`) decides placements logically and at once; each decision that
+moves bytes becomes an :class:`Op` here. An op may start only when every earlier op it conflicts
+with has finished: ops of the same block; ops reading memory it overwrites, or writing memory it
+reads or writes; and, for an op writing a tier, evictions still giving that tier's memory back.
+:class:`InFlight` keeps the unfinished ops in issue order and indexes them by block and by the
+memory they touch, so finding an op's conflicts costs what its neighbours cost, not a scan of
+everything in flight (a step at small chunk sizes keeps hundreds of ops in flight: the optimizer's
+deferred chunk updates, write-backs, prefetches).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .tiers import DEVICE, HOST, NVME
+
+#: host and NVMe copies occupy whole pages (slots are page multiples)
+PAGE = 4096
+
+
+def region(block: Any, tier: str, loc: Any) -> tuple:
+    """A block copy's memory as (space, file, start, end): device memory is per block; host and
+    NVMe copies are byte ranges of the arena and of one swap file."""
+    if tier == DEVICE:
+        return (DEVICE, id(block), 0, 1)
+    n = -(-block.nbytes // PAGE) * PAGE
+    if tier == HOST:
+        return (HOST, 0, loc, loc + n)
+    return (NVME, loc[0], loc[1], loc[1] + n)
+
+
+def overlap(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and a[2] < b[3] and b[2] < a[3]
+
+
+class Op:
+    """One physical transfer of a block between tiers; or (``src`` None) filling a new block's
+    first copy; or (``dst`` None) the hold a freed copy keeps on its memory until the block's
+    earlier transfers are done; or (``compute``) host work on the block's copy (see
+    :meth:`Runtime.defer <hetero.runtime.Runtime.defer>`), which reads ``src`` and writes ``dst``.
+
+    ``src_loc`` / ``dst_loc`` are the locations at issue time (the block's logical location may
+    change before the op runs). ``freed_src``: the source copy was dropped logically when the op
+    was issued (an eviction), so undoing the op gives it back.
+    """
+
+    __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
+                 "init", "deps", "handle", "state", "start", "restorable", "compute", "reads", "writes")
+
+    def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
+                 dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
+                 issued: float, compute: bool = False) -> None:
+        self.seq, self.block, self.src, self.dst, self.init = seq, block, src, dst, init
+        self.src_loc, self.dst_loc, self.freed_src, self.prefetch = src_loc, dst_loc, freed_src, prefetch
+        self.deps: list[Op] = []
+        self.handle: Any = None
+        self.state = "queued"  # queued -> running -> finished | failed | cancelled
+        self.start = issued
+        self.restorable = True
+        self.compute = compute
+        # the memory it reads and writes, fixed at issue (conflicts are judged on these)
+        self.reads = () if src is None else (region(block, src, src_loc),)
+        self.writes = () if dst is None else (region(block, dst, dst_loc),)
+
+    @property
+    def pending(self) -> bool:
+        return self.state in ("queued", "running")
+
+    def __repr__(self) -> str:
+        what = (f"compute on {self.src}" if self.compute else f"hold {self.src}" if self.dst is None
+                else f"fill {self.dst}" if self.src is None else f"{self.src}->{self.dst}")
+        return f"<Op #{self.seq} {self.block.id} {what} {self.state}>"
+
+
+class Deferred:
+    """The handle of deferred host work, shared by its blocks' ops: what the work raised is
+    raised by the first wait only."""
+
+    __slots__ = ("_future", "_reported")
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        if self._reported:
+            return
+        try:
+            self._future.result()
+        except BaseException:
+            self._reported = True
+            raise
+
+
+class InFlight:
+    """Issued, unfinished ops in issue order, indexed by block, by the memory they read and
+    write (in units of ``unit`` bytes: the slot size), and (evictions) by the tier they free."""
+
+    def __init__(self, unit: int) -> None:
+        self.unit = max(unit, PAGE)
+        self._ops: dict[Op, None] = {}
+        self._by_block: dict[Any, list[Op]] = {}
+        self._freeing: dict[str, dict[Op, None]] = {}
+        self._readers: dict[tuple, dict[Op, None]] = {}
+        self._writers: dict[tuple, dict[Op, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def __iter__(self) -> Iterator[Op]:
+        """The ops in issue order (a snapshot: callers may finish ops while iterating)."""
+        return iter(list(self._ops))
+
+    def first(self) -> Op:
+        return next(iter(self._ops))
+
+    def of(self, block: Any) -> list[Op]:
+        """``block``'s unfinished ops, in issue order (do not modify)."""
+        return self._by_block.get(block, [])
+
+    def touch(self, block: Any, where: tuple) -> bool:
+        """Whether an unfinished op of ``block`` reads or writes the memory ``where`` (a
+        :func:`region`)."""
+        return any(overlap(where, r) for op in self._by_block.get(block, ()) for r in op.reads + op.writes)
+
+    def _keys(self, r: tuple) -> range:
+        return range(r[2] // self.unit, (r[3] - 1) // self.unit + 1)
+
+    def conflicts(self, op: Op) -> list[Op]:
+        """Unfinished ops that must finish before ``op`` starts, in issue order: those of the same
+        block, those using memory it writes or writing memory it reads, and (for an op writing a
+        tier) evictions still giving that tier's memory back."""
+        deps: dict[Op, None] = dict.fromkeys(self._by_block.get(op.block, ()))
+        if op.dst is not None:
+            # Memory (and the budget of slots) freed by an earlier op is only free once that op
+            # finished: a later placement may use the bytes elsewhere, and if the earlier op
+            # fails, undoing it takes them back.
+            deps.update(self._freeing.get(op.dst, {}))
+        # Device copies are per block: they only ever conflict with ops of the same block.
+        for w in op.writes:
+            if w[0] == DEVICE:
+                continue
+            for k in self._keys(w):
+                for index, attr in ((self._readers, "reads"), (self._writers, "writes")):
+                    for p in index.get((w[0], w[1], k), ()):
+                        if p not in deps and any(overlap(w, r) for r in getattr(p, attr)):
+                            deps[p] = None
+        for r in op.reads:
+            if r[0] == DEVICE:
+                continue
+            for k in self._keys(r):
+                for p in self._writers.get((r[0], r[1], k), ()):
+                    if p not in deps and any(overlap(r, w) for w in p.writes):
+                        deps[p] = None
+        deps.pop(op, None)
+        return sorted(deps, key=lambda p: p.seq)
+
+    def add(self, op: Op) -> None:
+        self._ops[op] = None
+        self._by_block.setdefault(op.block, []).append(op)
+        if op.freed_src:
+            self._freeing.setdefault(op.src, {})[op] = None
+        for index, regions in ((self._readers, op.reads), (self._writers, op.writes)):
+            for r in regions:
+                if r[0] != DEVICE:
+                    for k in self._keys(r):
+                        index.setdefault((r[0], r[1], k), {})[op] = None
+
+    def remove(self, op: Op) -> None:
+        del self._ops[op]
+        ops = self._by_block[op.block]
+        ops.remove(op)
+        if not ops:
+            del self._by_block[op.block]
+        if op.freed_src:
+            self._freeing[op.src].pop(op)
+        for index, regions in ((self._readers, op.reads), (self._writers, op.writes)):
+            for r in regions:
+                if r[0] != DEVICE:
+                    for k in self._keys(r):
+                        key = (r[0], r[1], k)
+                        ops_at = index[key]
+                        del ops_at[op]
+                        if not ops_at:
+                            del index[key]

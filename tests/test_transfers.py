@@ -1,0 +1,74 @@
+"""The in-flight op index against the conflict rules it implements, checked by brute force."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetero.transfers import PAGE, InFlight, Op, overlap
+
+
+@dataclasses.dataclass(eq=False)
+class FakeBlock:
+    id: str
+    nbytes: int
+
+
+def brute_conflicts(in_flight: list[Op], op: Op) -> list[Op]:
+    """The rules as stated, by scanning every op in flight."""
+    deps = []
+    for p in in_flight:
+        if p is op:
+            continue
+        if p.block is op.block or (op.dst is not None and p.freed_src and p.src == op.dst):
+            deps.append(p)
+        elif (any(overlap(w, r) for w in op.writes for r in p.reads + p.writes)
+              or any(overlap(r, w) for r in op.reads for w in p.writes)):
+            deps.append(p)
+    return deps
+
+
+def loc(tier: str, draw) -> object:
+    if tier == "device":
+        return None
+    offset = draw(st.integers(0, 12)) * PAGE
+    return offset if tier == "host" else (draw(st.integers(0, 1)), offset)
+
+
+@st.composite
+def scripts(draw):
+    blocks = [FakeBlock(f"b{i}", draw(st.integers(1, 3 * PAGE))) for i in range(draw(st.integers(1, 5)))]
+    actions = []
+    for seq in range(draw(st.integers(1, 40))):
+        if actions and draw(st.booleans()) and draw(st.booleans()):
+            actions.append(("remove", draw(st.integers(0, 10 ** 6))))
+            continue
+        block = draw(st.sampled_from(blocks))
+        src = draw(st.sampled_from([None, "device", "host", "nvme"]))
+        dst = draw(st.sampled_from([None, "device", "host", "nvme"]))
+        freed = src is not None and draw(st.booleans())
+        actions.append(("add", Op(seq, block, src, dst, loc(src, draw) if src else None,
+                                  loc(dst, draw) if dst else None, freed, False, None, 0.0)))
+    return actions
+
+
+@settings(max_examples=300, deadline=None)
+@given(scripts(), st.sampled_from([PAGE, 2 * PAGE, 8 * PAGE]))
+def test_conflicts_equal_a_scan_of_every_op_in_flight(actions, unit) -> None:
+    index, live = InFlight(unit), []
+    for what, arg in actions:
+        if what == "remove":
+            if live:
+                op = live.pop(arg % len(live))
+                index.remove(op)
+            continue
+        assert index.conflicts(arg) == brute_conflicts(live, arg)
+        index.add(arg)
+        live.append(arg)
+        assert list(index) == live
+        assert index.of(arg.block) == [p for p in live if p.block is arg.block]
+    for op in list(live):
+        index.remove(op)
+    assert len(index) == 0 and not index._readers and not index._writers and not any(index._freeing.values())
