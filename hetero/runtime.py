@@ -9,11 +9,12 @@ Two views of every block are kept apart:
   tier's budget has reserved. It changes at once, as if every copy were instantaneous, so every
   decision (victims, prefetch, homes) is the same as in a synchronous run and the simulator, which
   replays the same code over tensor-free storage, reproduces a run's traffic exactly.
-* the **physical** transfers — an :class:`Op` per copy, run by the copy engine (host <-> device)
-  or the swap engine (host <-> NVMe) while compute goes on. An op starts only when every earlier
-  op it conflicts with has finished (the same block; a slot it overwrites that an earlier op still
-  reads or writes; device memory an eviction is still giving back), so a slot is reused only after
-  the transfer out of it completed and device memory in use never exceeds the device budget.
+* the **physical** transfers — an :class:`~hetero.transfers.Op` per copy, run by the copy engine
+  (host <-> device) or the swap engine (host <-> NVMe) while compute goes on. An op starts only
+  when every earlier op it conflicts with has finished (the same block; a slot it overwrites that
+  an earlier op still reads or writes; device memory an eviction is still giving back; see
+  :class:`~hetero.transfers.InFlight`), so a slot is reused only after the transfer out of it
+  completed and device memory in use never exceeds the device budget.
   Compute waits only in :meth:`acquire`, for the blocks it asked for; that wait is the stall time.
   Host-side work on blocks can be an op too (:meth:`defer`: the optimizer's CPU step of a chunk),
   so it runs on a worker while the next forward goes on, and whatever touches those blocks next
@@ -361,6 +362,28 @@ class Runtime:
         self.tracker.event("rollback")
         txn, self._txn = self._txn, None
         self._rollback(txn)
+
+    def hint(self, blocks: Sequence[Block], tier: str) -> None:
+        """Start bringing ``blocks`` to ``tier`` because the caller knows they are needed there
+        next (the optimizer's next chunk), whatever the policy predicts: a recorded step the
+        current one does not follow (the chunks that must move differ from step to step, routed
+        experts) predicts nothing. Transfers are issued, not waited for; room is made only by
+        evicting blocks the policy expects later than ``len(blocks)`` accesses ahead. Does
+        nothing while prefetch is off; recorded in the event log."""
+        self.tracker.event("hint", tuple(b.id for b in blocks), tier)
+        if not self.prefetching or self.prefetch_depth <= 0:
+            return
+        wanted = set(blocks) - self._protected  # none of them is evicted to make room for another
+        self._protected |= wanted
+        try:
+            for block in blocks:
+                if (not block.tiers or tier in block.tiers or any(block.pins.values())
+                        or (self._txn is not None and block in self._txn.shadows)):
+                    continue
+                if not self._prefetch_one(block, tier, len(blocks)):
+                    return
+        finally:
+            self._protected -= wanted
 
     def set_prefetching(self, on: bool) -> None:
         """Turn prefetch off (on) for the acquires that follow."""

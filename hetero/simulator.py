@@ -181,6 +181,8 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
                 rt.ensure_shadow(get(args[0]), args[1])
             elif op == "prefetching":
                 rt.set_prefetching(args[0])
+            elif op == "hint":
+                rt.hint([get(i) for i in args[0]], args[1])
             elif op == "protect":
                 rt.protect([get(i) for i in args[0]], args[1])
             else:

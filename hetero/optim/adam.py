@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -160,8 +160,8 @@ class Adam(torch.optim.Optimizer):
         work = [(c, runs) for c in self._chunks() if (runs := self._runs(c, groups))]
         if NVME not in rt.tiers:  # nothing can fail half-way
             defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
-            for chunk, runs in work:
-                self._step_chunk(chunk, runs, groups, shadow=False, defer=defer)
+            for (chunk, runs), ahead in _with_next(work):
+                self._step_chunk(chunk, runs, groups, shadow=False, defer=defer, ahead=ahead)
             st.end_step()
             return loss
         steps = [(chunk, s, s.step) for chunk, _ in work for s in chunk.slots]
@@ -172,13 +172,13 @@ class Adam(torch.optim.Optimizer):
                     moving = [w for w in work if not self._in_place(w[0])]
                     if not moving:
                         break
-                    for chunk, runs in moving:
-                        self._step_chunk(chunk, runs, groups, shadow=True)
+                    for (chunk, runs), ahead in _with_next(moving):
+                        self._step_chunk(chunk, runs, groups, shadow=True, ahead=ahead)
                     work = [w for w in work if w not in moving]
                     rt.drain()
                 rt.set_prefetching(False)
                 try:
-                    for chunk, runs in work:
+                    for chunk, runs in work:  # in place: nothing to fetch ahead
                         self._step_chunk(chunk, runs, groups, shadow=False)
                 finally:
                     rt.set_prefetching(True)
@@ -196,8 +196,19 @@ class Adam(torch.optim.Optimizer):
         st.end_step()
         return loss
 
+    def _hint(self, chunk: Chunk) -> None:
+        """Start fetching what ``chunk``'s step reads and writes to the tier it will be updated
+        on, while the current chunk computes: the optimizer knows its next chunk even where the
+        recorded step does not (which chunks must move changes from step to step)."""
+        if EXP_AVG not in chunk.blocks or not chunk.blocks[EXP_AVG].tiers:
+            return  # its first step: the states are created where they start, not fetched
+        blocks = [b for b in [chunk.blocks[GRAD]] + self._written(chunk) if b.tiers]
+        self._state.runtime.hint(blocks, self._tier_for(chunk))
+
     def _step_chunk(self, chunk: Chunk, runs: list[tuple[int, int, int, int]], groups: dict[int, int],
-                    shadow: bool, defer: bool = False) -> None:
+                    shadow: bool, defer: bool = False, ahead: Optional[Chunk] = None) -> None:
+        """Update ``chunk`` on the tier holding its optimizer states; once its blocks are there,
+        fetching for the chunk updated next (``ahead``) starts."""
         rt = self._state.runtime
         for kind in (EXP_AVG, EXP_AVG_SQ):
             block = chunk.add_block(kind, chunk.state_dtype)
@@ -224,6 +235,8 @@ class Adam(torch.optim.Optimizer):
             if shadow:
                 rt.protect(writes, on=False)
         try:
+            if ahead is not None:
+                self._hint(ahead)
             w_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (master, grad, m, v))
             p_flat = rt.data(param, tier) if param is not None else None
             calls = []
@@ -361,3 +374,9 @@ class AdamW(Adam):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+
+
+def _with_next(items: list) -> Iterator[tuple[Any, Optional[Chunk]]]:
+    """Each item with the chunk of the item after it (None for the last)."""
+    for i, item in enumerate(items):
+        yield item, items[i + 1][0] if i + 1 < len(items) else None
