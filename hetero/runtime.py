@@ -498,24 +498,27 @@ class Runtime:
                 break
 
     def _prefetch_one(self, block: Block, target: str, horizon: float) -> bool:
+        """Issue the transfers that bring ``block`` to ``target``; False (and nothing more
+        issued) where room cannot be made. Speculative: it never gives up a transaction's shadow
+        (even in the write-backs its evictions cause) and never raises HeteroOOMError."""
         steps = ([HOST] if HOST not in block.tiers else []) + ([DEVICE] if target == DEVICE else [])
-        for tier in steps:
-            self._in_flight.add(block)  # its staged host copy must survive making device room
-            try:
-                if not self._make_room(block, tier, horizon):
-                    return False
-            finally:
-                self._in_flight.discard(block)
-            src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
-            self._prefetching_now = True
-            try:
+        self._prefetching_now = True
+        try:
+            for tier in steps:
+                self._in_flight.add(block)  # its staged host copy must survive making device room
+                try:
+                    if not self._make_room(block, tier, horizon):
+                        return False
+                finally:
+                    self._in_flight.discard(block)
+                src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
                 self._replicate(block, src, tier, set(), prefetch=True)
-            except HeteroOOMError:  # no contiguous run free without evicting what is needed
-                return False
-            finally:
-                self._prefetching_now = False
-            if tier == DEVICE:
-                self.tracker.prefetched.add(block.id)
+                if tier == DEVICE:
+                    self.tracker.prefetched.add(block.id)
+        except HeteroOOMError:  # no room below for a victim, or no contiguous run free
+            return False
+        finally:
+            self._prefetching_now = False
         self.tracker.prefetch_issued += 1
         return True
 

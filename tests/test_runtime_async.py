@@ -619,3 +619,82 @@ def test_data_is_never_corrupted_by_concurrent_transfers(seed, rig) -> None:
                 assert torch.all(value == want.get(b.id, 0.0)), f"step {step}: read {b.id} is stale"
     rt.drain()
     invariants(rt)
+
+
+def test_a_hint_never_gives_up_a_transaction_shadow(rig) -> None:
+    """Making room for a speculative fetch must not cost the transaction a shadow (found in review:
+    the eviction's write-back below made room by dropping one)."""
+    rt = rig(1, 3, 8, policy=Scripted(), prefetch=1)
+    a, h, x = TB("a", 1024), TB("h", 1024), TB("x", 1024)
+    rt.create(a, torch.full((1024,), 1.0), tier=HOST)
+    rt.acquire([a], DEVICE)
+    rt.release([a], DEVICE)  # a on host + device
+    rt.create(h, tier=HOST)
+    rt.create(x, tier=HOST)
+    rt.drain()
+    rt.acquire([h], HOST)  # pinned: the host holds a, h, x
+    rt.begin()
+    rt.acquire([a], DEVICE, write=True)  # a's host copy becomes its shadow
+    rt.data(a, DEVICE).fill_(2.0)
+    rt.release([a], DEVICE)
+    assert a in rt._txn.shadows and rt._txn.complete
+    rt.hint([x], DEVICE)
+    complete = rt._txn.complete
+    rt.rollback()
+    rt.release([h], HOST)
+    assert complete, "a hint gave up a transaction shadow"
+    assert torch.equal(rt.read(a), torch.full((1024,), 1.0))
+
+
+def test_a_hint_that_finds_no_room_is_dropped(rig) -> None:
+    """A speculative fetch never fails its caller: here the only victim on the device would need
+    a host slot, and the host's only other block is pinned."""
+    rt = rig(1, 2, 0, policy=Scripted(), prefetch=1)
+    d, h, x = TB("d", 1024), TB("h", 1024), TB("x", 1024)
+    rt.create(d, tier=DEVICE)
+    rt.create(h, tier=HOST)
+    rt.create(x, tier=HOST)
+    rt.acquire([h], HOST)
+    rt.hint([x], DEVICE)
+    assert x.tiers == {HOST} and d.tiers == {DEVICE}
+    rt.release([h], HOST)
+
+
+def _first_step_ready(path: str, policy: str):
+    model = wrap_gpt(path, 0.8, 0.3, policy)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batches(1, seed=1)[0]
+    model(x, y).backward()
+    rt = model._hetero_state.runtime
+    rt.drain()
+    return model, opt, rt
+
+
+@pytest.mark.parametrize("policy", ["auto", "lru"])
+def test_a_failure_late_in_the_first_step(policy, swapdir, faults) -> None:
+    """The first step creates every optimizer state inside its transaction. A swap fault in its
+    last transfers must surface as HeteroIOError (found in review: a KeyError on the states of
+    chunks the step had not reached hid it). With ``auto`` the host has room for every pre-step
+    copy, so nothing changes; ``lru`` homes states on the device and runs out of host room for
+    those copies (logged), so some chunks keep the step, but the state stays consistent: every
+    slot with a step count has its states."""
+    model, opt, rt = _first_step_ready(swapdir + "/count", policy)
+    faults.reset()
+    opt.step()
+    rt.drain()
+    n = faults.count()
+    close_model(model)
+    for k in range(max(0, n - 3), n):
+        model, opt, rt = _first_step_ready(f"{swapdir}/{k}", policy)
+        before = snapshot(model, opt)
+        faults.arm(k)
+        with pytest.raises(HeteroIOError):
+            opt.step()
+            rt.drain()
+        faults.reset()
+        after = snapshot(model, opt)  # reads every state through state_dict
+        if policy == "auto":
+            assert_same_state(after, before)
+        for entry in opt.state_dict()["state"].values():
+            assert entry["exp_avg"].numel() > 0 and entry["step"] > 0
+        close_model(model)

@@ -185,9 +185,12 @@ class Adam(torch.optim.Optimizer):
         except BaseException:
             # Chunks whose writes could not all be undone (no room was left for their older
             # copies: logged) keep this step, step counts included, so each chunk stays consistent.
-            kept = {id(c) for c, _, _ in steps if txn is not None and any(b in txn.lost for b in self._written(c))}
+            # (Chunks the step did not reach may have no states yet: look at the blocks they have.)
+            kept = {id(c) for c, _, _ in steps if txn is not None and any(b in txn.lost for b in c.blocks.values())}
             for chunk, slot, n in steps:
-                if id(chunk) not in kept:
+                # A kept chunk whose states were new in this step lost them in the rollback (the
+                # runtime discards blocks a transaction created): its states start afresh.
+                if id(chunk) not in kept or EXP_AVG not in chunk.blocks or not chunk.blocks[EXP_AVG].tiers:
                     slot.step = n
             if kept:
                 log.error("hetero: the failed optimizer step could not be undone for %d chunk(s) "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional, Sequence
 
-from .base import DEVICE, HOST, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
+from .base import DEVICE, HOST, NVME, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
 from .hotness import Hotness
 
 
@@ -93,13 +93,17 @@ class Opt(Policy):
         """Optimizer states are used once a step (long reuse distance): they take the device only
         where they cannot push out what every step needs there, so their chunk's update runs on
         the device and moves nothing. That is where they fit beside the device working set (the
-        distinct bytes a step uses there: the largest step seen, or this first one so far), or
-        where the device stays at least half free after them (when nothing is known yet, or
-        the step has finished with most of what it held). Everything else takes the fastest
-        room."""
+        distinct bytes a step uses there, the largest complete step seen), or where the device
+        stays at least half free after them. With an NVMe tier, not by the first step's own
+        working set: every chunk is new in that all-or-nothing step, and each one updated on the
+        device needs a host slot for its parameters' pre-step copy, which a small host tier
+        cannot give to all of them at once (the step would lose its guarantee). Everything else
+        takes the fastest room."""
         if block.kind in OPTIMIZER_KINDS:
             cap = capacity.get(DEVICE, 0)
-            ws = max(self._ws_max + self._ws_extra, self._ws_now)
+            ws = self._ws_max + self._ws_extra
+            if NVME not in capacity:  # no all-or-nothing step: the first step may count itself
+                ws = max(ws, self._ws_now)
             if (ws and ws + block.nbytes <= cap) or free.get(DEVICE, 0) - block.nbytes >= cap / 2:
                 self._ws_extra += block.nbytes
                 self._dev_now.add(block.id)
