@@ -86,7 +86,7 @@ class Runtime:
         self.tracker = Tracker()
         self._blocks: dict[str, Block] = {}
         self._on: dict[str, dict[Block, None]] = {name: {} for name in capacities}  # copies per tier
-        self._in_flight: set[Block] = set()  # blocks being placed right now: never victims
+        self._placing: set[Block] = set()  # blocks being placed right now: never victims
         # Tiers below each tier that this runtime has, and the two BlockInfo each block can show
         # a policy (clean below or not): every eviction describes every candidate.
         self._below = {t: tuple(u for u in TIER_ORDER[TIER_ORDER.index(t) + 1:] if u in self.tiers)
@@ -161,11 +161,11 @@ class Runtime:
             tier = self.policy.home(self._info(block), self.free_bytes(),
                                     {n: t.capacity for n, t in self.tiers.items()})
         first = HOST if tier == NVME else tier  # NVMe is written from a host slot
-        self._in_flight.add(block)
+        self._placing.add(block)
         try:
             self._alloc(block, first, set())
         finally:
-            self._in_flight.discard(block)
+            self._placing.discard(block)
         self._add_copy(block, first)
         if self._txn is not None:
             self._txn.created.append(block)
@@ -505,12 +505,12 @@ class Runtime:
         self._prefetching_now = True
         try:
             for tier in steps:
-                self._in_flight.add(block)  # its staged host copy must survive making device room
+                self._placing.add(block)  # its staged host copy must survive making device room
                 try:
                     if not self._make_room(block, tier, horizon):
                         return False
                 finally:
-                    self._in_flight.discard(block)
+                    self._placing.discard(block)
                 src = HOST if tier == DEVICE else (DEVICE if DEVICE in block.tiers else NVME)
                 self._replicate(block, src, tier, set(), prefetch=True)
                 if tier == DEVICE:
@@ -570,7 +570,7 @@ class Runtime:
             self._protected.difference_update(blocks)
 
     def _evictable(self, b: Block, tier: str, protect: set[Block]) -> bool:
-        if (tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._in_flight
+        if (tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._placing
                 or b in self._protected):
             return False
         return len(b.tiers) > 1 or bool(self._below[tier])
@@ -619,11 +619,11 @@ class Runtime:
                    prefetch: bool = False, evict: bool = False) -> None:
         """Give ``block`` a copy on ``dst`` made from ``src`` (dropping the ``src`` copy when
         ``evict``); the transfer is issued, not waited for."""
-        self._in_flight.add(block)
+        self._placing.add(block)
         try:
             self._alloc(block, dst, protect)
         finally:
-            self._in_flight.discard(block)
+            self._placing.discard(block)
         src_loc, dst_loc = self.storage.loc(block, src), self.storage.loc(block, dst)
         self.tracker.count(block.id, src, dst, block.nbytes, prefetch)
         self._add_copy(block, dst)

@@ -75,9 +75,10 @@ def slots_for(nbytes: int, slot_size: int) -> int:
 
 
 def arena_slots(block_bytes: "list[int]", slot_size: int) -> int:
-    """The most slots the host arena needs: every block once, plus a run for the largest block,
-    so that with the whole state on the host a block spanning several slots can still find room
-    without evicting (the host budget may cap it lower)."""
+    """The host arena's size where the host budget allows: every block once, plus a run for the
+    largest block, so that with the whole state on the host a block spanning several slots can
+    still find room without evicting. (A transaction's shadows can need more; where the arena is
+    full they are given up, as where the budget is.)"""
     slots = [slots_for(n, slot_size) for n in block_bytes]
     return sum(slots) + max(slots, default=0)
 

@@ -181,7 +181,10 @@ class InFlight:
         if not ops:
             del self._by_block[op.block]
         if op.freed_src:
-            self._freeing[op.src].pop(op)
+            freeing = self._freeing[op.src]
+            del freeing[op]
+            if not freeing:
+                del self._freeing[op.src]
         for index, regions in ((self._readers, op.reads), (self._writers, op.writes)):
             for r in regions:
                 if r[0] != DEVICE:

@@ -71,4 +71,4 @@ def test_conflicts_equal_a_scan_of_every_op_in_flight(actions, unit) -> None:
         assert index.of(arg.block) == [p for p in live if p.block is arg.block]
     for op in list(live):
         index.remove(op)
-    assert len(index) == 0 and not index._readers and not index._writers and not any(index._freeing.values())
+    assert len(index) == 0 and not index._readers and not index._writers and not index._freeing
