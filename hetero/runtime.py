@@ -53,7 +53,7 @@ from .config import Config, format_size
 from .errors import HeteroIOError, HeteroOOMError
 from .policies import BlockInfo, Policy
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, TierStorage,
-                    arena_slots, slot_size_for, slots_for)
+                    slot_size_for, slots_for)
 from .tracker import Tracker
 from .transfers import Deferred, InFlight, Op, region
 
@@ -105,8 +105,13 @@ class Runtime:
         """The runtime of a wrapped model: real device buffers, a host arena, swap files."""
         sizes = expected_block_bytes(chunks)
         slot = slot_size_for(cfg.chunk_size, sizes)
-        needed = sum(slots_for(n, slot) for n in sizes)
-        limit = arena_slots(sizes, slot)  # the arena never exceeds what the state can use
+        slots = [slots_for(n, slot) for n in sizes]
+        needed = sum(slots)
+        # The arena never exceeds what the state can use: every block once, plus a run for the
+        # largest, so that with the whole state on the host a block spanning several slots still
+        # finds room without evicting. (A transaction's shadows can need more; where the arena is
+        # full they are given up, as where the budget is.)
+        limit = needed + max(slots, default=0)
         arena = HostArena(min(cfg.host_budget // slot, limit), slot, pin=cfg.device.type == "cuda")
         capacities = {DEVICE: cfg.device_budget, HOST: cfg.host_budget}
         swap = None
@@ -377,8 +382,7 @@ class Runtime:
         self._protected |= wanted
         try:
             for block in blocks:
-                if (not block.tiers or tier in block.tiers or any(block.pins.values())
-                        or (self._txn is not None and block in self._txn.shadows)):
+                if not self._fetchable(block, tier):
                     continue
                 if not self._prefetch_one(block, tier, len(blocks)):
                     return
@@ -485,9 +489,8 @@ class Runtime:
         near = None  # how many of them the next ``prefetch`` acquires make up (asked when needed)
         for i, (block_id, tier) in enumerate(ahead):
             block = self._blocks.get(block_id)
-            if (block is None or not block.tiers or tier == NVME or tier in block.tiers
-                    or any(block.pins.values()) or (self._txn is not None and block in self._txn.shadows)):
-                continue  # absent or discarded, already there, in use, or holding a shadow
+            if block is None or tier == NVME or not self._fetchable(block, tier):
+                continue
             if near is None:
                 near = len(self.policy.upcoming(self.prefetch_depth))
             target = tier if i < near else HOST
@@ -496,6 +499,12 @@ class Runtime:
             horizon = self.policy.next_use(block_id, tier)
             if not self._prefetch_one(block, target, horizon):
                 break
+
+    def _fetchable(self, block: Block, tier: str) -> bool:
+        """Whether a speculative fetch of ``block`` to ``tier`` has work to do and may do it: not
+        for a discarded block, one already there, one in use, or one holding a shadow."""
+        return bool(block.tiers) and tier not in block.tiers and not any(block.pins.values()) and not (
+            self._txn is not None and block in self._txn.shadows)
 
     def _prefetch_one(self, block: Block, target: str, horizon: float) -> bool:
         """Issue the transfers that bring ``block`` to ``target``; False (and nothing more

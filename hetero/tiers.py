@@ -74,15 +74,6 @@ def slots_for(nbytes: int, slot_size: int) -> int:
     return max(1, -(-nbytes // slot_size))
 
 
-def arena_slots(block_bytes: "list[int]", slot_size: int) -> int:
-    """The host arena's size where the host budget allows: every block once, plus a run for the
-    largest block, so that with the whole state on the host a block spanning several slots can
-    still find room without evicting. (A transaction's shadows can need more; where the arena is
-    full they are given up, as where the budget is.)"""
-    slots = [slots_for(n, slot_size) for n in block_bytes]
-    return sum(slots) + max(slots, default=0)
-
-
 class SlotPool:
     """Fixed-size slots; a block takes ``ceil(nbytes / slot_size)`` contiguous slots (first fit).
 

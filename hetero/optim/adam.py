@@ -131,7 +131,7 @@ class Adam(torch.optim.Optimizer):
     def _in_place(self, chunk: Chunk) -> bool:
         """Whether the chunk's step needs no transfer: its states exist and every block it reads
         or writes already has a copy on the tier it would be updated on."""
-        if EXP_AVG not in chunk.blocks or not chunk.blocks[EXP_AVG].tiers:
+        if not _has_states(chunk):
             return False
         tier = self._tier_for(chunk)
         return all(tier in b.tiers for b in self._written(chunk) + [chunk.blocks[GRAD]])
@@ -190,7 +190,7 @@ class Adam(torch.optim.Optimizer):
             for chunk, slot, n in steps:
                 # A kept chunk whose states were new in this step lost them in the rollback (the
                 # runtime discards blocks a transaction created): its states start afresh.
-                if id(chunk) not in kept or EXP_AVG not in chunk.blocks or not chunk.blocks[EXP_AVG].tiers:
+                if id(chunk) not in kept or not _has_states(chunk):
                     slot.step = n
             if kept:
                 log.error("hetero: the failed optimizer step could not be undone for %d chunk(s) "
@@ -203,7 +203,7 @@ class Adam(torch.optim.Optimizer):
         """Start fetching what ``chunk``'s step reads and writes to the tier it will be updated
         on, while the current chunk computes: the optimizer knows its next chunk even where the
         recorded step does not (which chunks must move changes from step to step)."""
-        if EXP_AVG not in chunk.blocks or not chunk.blocks[EXP_AVG].tiers:
+        if not _has_states(chunk):
             return  # its first step: the states are created where they start, not fetched
         blocks = [b for b in [chunk.blocks[GRAD]] + self._written(chunk) if b.tiers]
         self._state.runtime.hint(blocks, self._tier_for(chunk))
@@ -377,6 +377,12 @@ class AdamW(Adam):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+
+
+def _has_states(chunk: Chunk) -> bool:
+    """Whether ``chunk``'s Adam states exist (they are created by its first step, and a rolled
+    back first step discards them again)."""
+    return EXP_AVG in chunk.blocks and bool(chunk.blocks[EXP_AVG].tiers)
 
 
 def _with_next(items: list) -> Iterator[tuple[Any, Optional[Chunk]]]:

@@ -45,13 +45,14 @@ class Opt(Policy):
         for i, b in enumerate(blocks):
             self._last[b] = seq + i
         if tier == DEVICE:
-            self._use_device(blocks)
+            for b in blocks:
+                self._use_device(b, self.sizes.get(b, 0))
 
-    def _use_device(self, blocks: Sequence[str]) -> None:
-        for b in blocks:
-            if b not in self._dev_now:
-                self._dev_now.add(b)
-                self._ws_now += self.sizes.get(b, 0)
+    def _use_device(self, block_id: str, nbytes: int) -> None:
+        """Count ``block_id`` into the distinct bytes this step uses on the device."""
+        if block_id not in self._dev_now:
+            self._dev_now.add(block_id)
+            self._ws_now += nbytes
 
     def end_step(self, step: int) -> None:
         self._predicted.clear()
@@ -106,8 +107,7 @@ class Opt(Policy):
                 ws = max(ws, self._ws_now)
             if (ws and ws + block.nbytes <= cap) or free.get(DEVICE, 0) - block.nbytes >= cap / 2:
                 self._ws_extra += block.nbytes
-                self._dev_now.add(block.id)
-                self._ws_now += block.nbytes
+                self._use_device(block.id, block.nbytes)
                 return DEVICE
             tiers = [t for t in TIER_ORDER if t != DEVICE]
         else:
