@@ -183,8 +183,8 @@ def faults(monkeypatch):
     class ArmedOp(R.Op):
         __slots__ = ("fail",)
 
-        def __init__(self, seq, block, src, dst, *rest):
-            super().__init__(seq, block, src, dst, *rest)
+        def __init__(self, seq, block, src, dst, *rest, **kw):
+            super().__init__(seq, block, src, dst, *rest, **kw)
             self.fail = None
             if src is not None and dst is not None and NVME in (src, dst):
                 if st_["k"] is not None and st_["n"] == st_["k"]:

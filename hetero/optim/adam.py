@@ -143,10 +143,11 @@ class Adam(torch.optim.Optimizer):
         With an NVMe tier (whose transfers can fail), the step is all or nothing: chunks whose
         state must move are updated first inside a runtime transaction (each written block keeps
         its previous copy as a shadow; the transfers of one chunk overlap the compute of another
-        through the runtime's prefetch), every transfer is then waited for, and only after that
-        are the chunks already in place updated — with no transfer that could fail. A failure
+        through the runtime's prefetch), and every transfer is then waited for. A failure there
         (HeteroIOError, or HeteroOOMError for want of room for shadows) restores every parameter,
-        state and step count and propagates.
+        state and step count and propagates. Only once the transaction has committed are the
+        chunks already in place updated: with no transfer that could fail, so without shadows,
+        and on the host deferred as without NVMe.
         """
         loss = None
         if closure is not None:
@@ -158,8 +159,8 @@ class Adam(torch.optim.Optimizer):
         rt = st.runtime
         groups = self._group_index()
         work = [(c, runs) for c in self._chunks() if (runs := self._runs(c, groups))]
+        defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
         if NVME not in rt.tiers:  # nothing can fail half-way
-            defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
             for (chunk, runs), ahead in _with_next(work):
                 self._step_chunk(chunk, runs, groups, shadow=False, defer=defer, ahead=ahead)
             st.end_step()
@@ -176,12 +177,6 @@ class Adam(torch.optim.Optimizer):
                         self._step_chunk(chunk, runs, groups, shadow=True, ahead=ahead)
                     work = [w for w in work if w not in moving]
                     rt.drain()
-                rt.set_prefetching(False)
-                try:
-                    for chunk, runs in work:  # in place: nothing to fetch ahead
-                        self._step_chunk(chunk, runs, groups, shadow=False)
-                finally:
-                    rt.set_prefetching(True)
         except BaseException:
             # Chunks whose writes could not all be undone (no room was left for their older
             # copies: logged) keep this step, step counts included, so each chunk stays consistent.
@@ -196,6 +191,15 @@ class Adam(torch.optim.Optimizer):
                 log.error("hetero: the failed optimizer step could not be undone for %d chunk(s) "
                           "(no room for their previous versions); they keep this step", len(kept))
             raise
+        # Every transfer the step needed is done and committed. The chunks left are in place:
+        # their updates move nothing, so nothing can fail half-way and none needs a shadow, and
+        # on the host they may run deferred, as without NVMe.
+        rt.set_prefetching(False)
+        try:
+            for chunk, runs in work:  # in place: nothing to fetch ahead
+                self._step_chunk(chunk, runs, groups, shadow=False, defer=defer)
+        finally:
+            rt.set_prefetching(True)
         st.end_step()
         return loss
 
