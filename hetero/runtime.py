@@ -56,6 +56,7 @@ from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, 
                     slot_size_for, slots_for)
 from .tracker import Tracker
 from .transfers import Deferred, InFlight, Op, region
+from .victims import Victims
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Runtime:
         # arena has min(host budget / slot, host_slots) slots, which the simulator must know.
         self.host_slots = host_slots
         self.policy = policy
+        self._victims = Victims(policy)
         self._sizes: dict[str, int] = {}
         policy.sizes = self._sizes
         self.storage = storage
@@ -237,6 +239,7 @@ class Runtime:
             for block in blocks:
                 self.tracker.access(block.id, block.nbytes, tier, group, write)
             self.policy.observe([b.id for b in blocks], tier, self.tracker.step, seq, write)
+            self._victims.invalidate()
             if self.prefetching:
                 self._prefetch()
 
@@ -291,6 +294,7 @@ class Runtime:
     def end_step(self) -> None:
         self.tracker.event("end_step")
         self.policy.end_step(self.tracker.step)
+        self._victims.invalidate()
         self.tracker.step += 1
         self._pump()
 
@@ -420,8 +424,7 @@ class Runtime:
         back on the device until the transaction ends): the pre-write version for a rollback."""
         loc = self.storage.loc(block, tier)
         self._txn.shadows[block] = (tier, loc)
-        block.tiers.discard(tier)
-        self._on[tier].pop(block, None)
+        self._remove_copy(block, tier)
         if tier == DEVICE:
             self.storage.on_device(block, False)
         else:
@@ -536,11 +539,12 @@ class Runtime:
         t = self.tiers[tier]
         need = self._size_on(tier, block)
         while t.free < need:
-            victims = [self._info(b) for b in self._on[tier] if self._evictable(b, tier, {block})
-                       and self.policy.next_use(b.id, tier) > horizon]
-            if not victims:
+            victim = self._victims.choose(
+                tier, self._on[tier], self._info,
+                lambda b: self._evictable(b, tier, {block}) and self.policy.next_use(b.id, tier) > horizon)
+            if victim is None:
                 return False
-            self._evict(self._blocks[self.policy.victim(tier, victims).id], tier)
+            self._evict(victim, tier)
         return True
 
     # ------------------------------------------------------------------ logical placement
@@ -599,12 +603,13 @@ class Runtime:
                 self.tracker.used(tier, t.used)
                 return
             if t.free < need:
-                victims = [self._info(b) for b in self._on[tier] if self._evictable(b, tier, protect)]
-                if not victims and self._drop_shadow(tier):
+                victim = self._victims.choose(tier, self._on[tier], self._info,
+                                              lambda b: self._evictable(b, tier, protect))
+                if victim is None and self._drop_shadow(tier):
                     continue
-                if not victims:
+                if victim is None:
                     raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
-                self._evict(self._blocks[self.policy.victim(tier, victims).id], tier)
+                self._evict(victim, tier)
                 continue
             windows = [w for w in (p.window(block.nbytes, lambda b: self._evictable(b, tier, protect))
                                    for p in self.storage.pools(tier)) if w is not None]
@@ -643,6 +648,12 @@ class Runtime:
     def _add_copy(self, block: Block, tier: str) -> None:
         block.tiers.add(tier)
         self._on[tier][block] = None
+        self._victims.changed(block)
+
+    def _remove_copy(self, block: Block, tier: str) -> None:
+        block.tiers.discard(tier)
+        self._on[tier].pop(block, None)
+        self._victims.changed(block)  # its other copies are no longer clean below
 
     def _drop(self, block: Block, tier: str) -> None:
         """Logically drop ``block``'s copy on ``tier``: its slots and budget are free for the next
@@ -651,8 +662,7 @@ class Runtime:
         if tier == DEVICE:
             self.storage.on_device(block, False)
         self.storage.forget(block, tier)
-        block.tiers.discard(tier)
-        self._on[tier].pop(block, None)
+        self._remove_copy(block, tier)
         t = self.tiers[tier]
         t.release(self._size_on(tier, block))
         self.tracker.used(tier, t.used)

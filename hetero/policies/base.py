@@ -4,7 +4,8 @@ A policy is pure: it sees block metadata and the stream of acquires, never tenso
 runtime (and the simulator, which is the same runtime over simulated storage) calls:
 
 * :meth:`Policy.observe` for every recorded acquire, and :meth:`Policy.end_step` after each step;
-* :meth:`Policy.victim` to choose which unpinned block leaves a full tier;
+* :meth:`Policy.victim` (or the ranking of :meth:`Policy.victim_key`) to choose which unpinned
+  block leaves a full tier;
 * :meth:`Policy.home` for the tier a new block starts on;
 * :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order;
 
@@ -17,7 +18,7 @@ import bisect
 import dataclasses
 import math
 import types
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
 TIER_ORDER = (DEVICE, HOST, NVME)
@@ -51,8 +52,19 @@ class Policy:
         """Training step ``step`` is complete."""
 
     def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
-        """The block to evict from ``tier``; ``candidates`` is non-empty and all are unpinned."""
-        raise NotImplementedError
+        """The block to evict from ``tier``; ``candidates`` is non-empty and all are unpinned.
+        Default: the candidate with the largest :meth:`victim_key`."""
+        key = self.victim_key(tier)
+        if key is None:
+            raise NotImplementedError(f"{type(self).__name__} defines neither victim nor victim_key")
+        return max(candidates, key=key)
+
+    def victim_key(self, tier: str) -> Optional[Callable[[BlockInfo], Any]]:
+        """A ranking of blocks on ``tier`` as victims (largest first, no two equal), or None.
+        Keys may change only in :meth:`observe` and :meth:`end_step`: in between, the runtime
+        sorts a tier once and evicts down the list (:mod:`hetero.victims`) instead of weighing
+        every block for every eviction. Used only where :meth:`victim` is this default."""
+        return None
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Tier on which a new block starts. Default: the fastest tier with room, else host."""

@@ -9,7 +9,7 @@ away, larger ones first, so the cold and the big leave first.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from .base import BlockInfo, Policy
 
@@ -44,9 +44,9 @@ class Hotness(Policy):
             return math.inf
         return abs(self._last[block_id] + r - self.now)
 
-    def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
-        return max(candidates, key=lambda b: (self.predicted(b.id), b.clean_below, b.nbytes,
-                                              -self._last.get(b.id, -1), b.id))
+    def victim_key(self, tier: str) -> Callable[[BlockInfo], Any]:
+        """Furthest predicted use first, then clean, larger, least recently used."""
+        return lambda b: (self.predicted(b.id), b.clean_below, b.nbytes, -self._last.get(b.id, -1), b.id)
 
     def next_use(self, block_id: str, tier: str) -> float:
         return self.predicted(block_id)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from .base import BlockInfo, Policy
 
 
 class LRU(Policy):
-    """Evict the least recently used block (never-used blocks first, then by id)."""
+    """Evict the least recently used block (never-used blocks first, the largest id first)."""
 
     name = "lru"
 
@@ -20,5 +20,5 @@ class LRU(Policy):
         for i, b in enumerate(blocks):
             self._last[b] = seq + i
 
-    def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
-        return min(candidates, key=lambda b: (self._last.get(b.id, -1), b.id))
+    def victim_key(self, tier: str) -> Callable[[BlockInfo], Any]:
+        return lambda b: (-self._last.get(b.id, -1), b.id)

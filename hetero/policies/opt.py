@@ -12,7 +12,7 @@ recording and evicts unknown blocks first, least recently used first.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .base import DEVICE, HOST, NVME, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
 from .hotness import Hotness
@@ -79,13 +79,12 @@ class Opt(Policy):
     def next_use(self, block_id: str, tier: str) -> float:
         return self.predict(block_id, tier)[0]
 
-    def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
+    def victim_key(self, tier: str) -> Callable[[BlockInfo], Any]:
         """Furthest next use first; at equal distance the recording's prediction before a guess
         (so among blocks not needed again, those known to be rewritten elsewhere first before
         those nobody can predict: an expert not routed to yet may be next); then clean before
         dirty, then least recently used."""
-        return max(candidates, key=lambda b: (*self.predict(b.id, tier), b.clean_below,
-                                              -self._last.get(b.id, -1), b.id))
+        return lambda b: (*self.predict(b.id, tier), b.clean_below, -self._last.get(b.id, -1), b.id)
 
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
         return self.timeline.upcoming(groups)
