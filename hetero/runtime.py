@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -392,6 +393,23 @@ class Runtime:
                     return
         finally:
             self._protected -= wanted
+
+    def settle(self, blocks: Sequence[Block]) -> None:
+        """Ask the policy whether ``blocks`` should now live elsewhere (:meth:`Policy.settle`;
+        the optimizer asks for the states it keeps below the device after each step, once the
+        step's working set is known) and start bringing those it moves up. Speculative, like a
+        prefetch: it uses free room only, evicting nothing. Recorded in the event log."""
+        self.tracker.event("settle", tuple(b.id for b in blocks))
+        if not self.prefetching:
+            return
+        capacity = {n: t.capacity for n, t in self.tiers.items()}
+        for block in blocks:
+            if not block.tiers or DEVICE in block.tiers:
+                continue
+            if self.policy.settle(self._info(block), capacity) != DEVICE:
+                continue
+            if self._fetchable(block, DEVICE) and not self._prefetch_one(block, DEVICE, math.inf):
+                return
 
     def set_prefetching(self, on: bool) -> None:
         """Turn prefetch off (on) for the acquires that follow."""

@@ -183,6 +183,8 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
                 rt.set_prefetching(args[0])
             elif op == "hint":
                 rt.hint([get(i) for i in args[0]], args[1])
+            elif op == "settle":
+                rt.settle([get(i) for i in args[0]])
             elif op == "protect":
                 rt.protect([get(i) for i in args[0]], args[1])
             else:

@@ -251,6 +251,26 @@ def test_opt_homes_optimizer_states_on_the_device_only_beside_the_working_set() 
     assert o.home(info("p", nbytes=10), {"device": 10, "host": 0}, caps) == "device"
 
 
+def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> None:
+    caps = {"device": 100, "host": 1000, "nvme": 10000}
+    o = Auto()
+    o.sizes = {"a": 30, "b": 30}
+    m = info("m", nbytes=20, kind="exp_avg")
+    assert o.settle(m, caps) is None  # no complete step yet: nothing is known
+    feed(o, "ab")
+    assert o.settle(m, caps) is None  # (with NVMe the first step does not count itself)
+    o.end_step(0)
+    assert o.settle(m, caps) == "device"  # 60 + 20 <= 100
+    assert o.settle(info("v", nbytes=20, kind="exp_avg_sq"), caps) == "device"  # 80 + 20
+    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # 101 > 100
+    feed(o, "ab", step=1)  # the next step: a, b and the states settled for it, 100 bytes
+    o.end_step(1)
+    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None
+    assert o.settle(info("p", nbytes=1, kind="param"), caps) is None  # only optimizer states move
+    for cls in (LRU, Hotness, Static):  # the other policies leave blocks where they are
+        assert cls().settle(m, caps) is None
+
+
 def events_for(groups_per_step: list[list[str]], steps: int) -> list[tuple]:
     events: list[tuple] = [("create", b, "param", 4096, None) for b in sorted({b for g in groups_per_step for b in g})]
     for _ in range(steps):
@@ -497,3 +517,30 @@ def test_prefetch_keeps_working_when_routing_changes() -> None:
     assert rep["prefetch"]["hits"] - hits_before[4] > 0
     assert rep["prefetch"]["hits"] - hits_before[7] > 0
     assert rep["prefetch"]["issued"] >= rep["prefetch"]["hits"] > 0
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_settled_optimizer_states_train_like_eager_and_replay(routed, tmp_path) -> None:
+    """With NVMe, Adam states start below the device (the first step is all or nothing and
+    cannot count itself); after a complete step those that fit beside the device working set
+    move up, and their chunks' steps then run on the device. Training still matches eager,
+    budgets hold, and the replay of the event log (settle events included) is the run."""
+    from helpers import assert_same_model, assert_within_budgets, budgets, train_pair
+
+    def make() -> GPT:
+        torch.manual_seed(0)
+        return GPT(routed=routed)
+
+    total = state_bytes(make())
+    kw = dict(budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB")
+    eager_losses, losses, eager, wrapped = train_pair(make, kw, batches(5, seed=1))
+    rt = wrapped._hetero_state.runtime
+    assert any(ev[0] == "settle" for ev in rt.tracker.events)
+    on_device = [b for b in rt.blocks() if b.kind == "exp_avg" and "device" in b.tiers]
+    assert on_device, "states that fit beside the working set must have moved up"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses))
+    assert_same_model(eager, wrapped)
+    d = assert_within_budgets(wrapped)
+    rep = wrapped.placement_report()
+    assert rep.simulate().traffic == d["traffic"]
+    wrapped.close()

@@ -164,6 +164,7 @@ class Adam(torch.optim.Optimizer):
             for (chunk, runs), ahead in _with_next(work):
                 self._step_chunk(chunk, runs, groups, shadow=False, defer=defer, ahead=ahead)
             st.end_step()
+            self._settle()
             return loss
         steps = [(chunk, s, s.step) for chunk, _ in work for s in chunk.slots]
         txn = None
@@ -201,7 +202,16 @@ class Adam(torch.optim.Optimizer):
         finally:
             rt.set_prefetching(True)
         st.end_step()
+        self._settle()
         return loss
+
+    def _settle(self) -> None:
+        """Now that a whole step has shown what the device must hold, let the states that fit
+        there beside it move up (:meth:`Runtime.settle`): their chunks' next steps run on the
+        device and move nothing."""
+        self._state.runtime.settle([b for c in self._chunks() if _has_states(c)
+                                    for b in (c.blocks[EXP_AVG], c.blocks[EXP_AVG_SQ])
+                                    if DEVICE not in b.tiers])
 
     def _hint(self, chunk: Chunk) -> None:
         """Start fetching what ``chunk``'s step reads and writes to the tier it will be updated

@@ -6,7 +6,8 @@ runtime (and the simulator, which is the same runtime over simulated storage) ca
 * :meth:`Policy.observe` for every recorded acquire, and :meth:`Policy.end_step` after each step;
 * :meth:`Policy.victim` (or the ranking of :meth:`Policy.victim_key`) to choose which unpinned
   block leaves a full tier;
-* :meth:`Policy.home` for the tier a new block starts on;
+* :meth:`Policy.home` for the tier a new block starts on, and :meth:`Policy.settle` whether an
+  optimizer state below the device should move up after a step;
 * :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order;
 
 and keeps :attr:`Policy.sizes` current (the bytes of every block it has created, by id).
@@ -72,6 +73,12 @@ class Policy:
             if free.get(tier, 0) >= block.nbytes:
                 return tier
         return HOST
+
+    def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
+        """The tier an existing block below the device should move up to now, or None (the
+        default) to leave it: asked after each step for optimizer states, whose best home may
+        be known only once a step has shown what else the device must hold."""
+        return None
 
     def next_use(self, block_id: str, tier: str) -> float:
         """Predicted accesses until ``block_id`` is next needed on ``tier`` (inf: not expected)."""

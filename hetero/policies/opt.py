@@ -89,6 +89,21 @@ class Opt(Policy):
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
         return self.timeline.upcoming(groups)
 
+    def _home_on_device(self, block: BlockInfo) -> None:
+        self._ws_extra += block.nbytes
+        self._use_device(block.id, block.nbytes)
+
+    def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
+        """An optimizer state below the device moves up where it fits beside the device working
+        set of a complete step, as :meth:`home` would have placed it had that step been known
+        (with NVMe, the first step does not count itself)."""
+        if block.kind not in OPTIMIZER_KINDS or not self._ws_max:
+            return None
+        if self._ws_max + self._ws_extra + block.nbytes > capacity.get(DEVICE, 0):
+            return None
+        self._home_on_device(block)
+        return DEVICE
+
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Optimizer states are used once a step (long reuse distance): they take the device only
         where they cannot push out what every step needs there, so their chunk's update runs on
@@ -105,8 +120,7 @@ class Opt(Policy):
             if NVME not in capacity:  # no all-or-nothing step: the first step may count itself
                 ws = max(ws, self._ws_now)
             if (ws and ws + block.nbytes <= cap) or free.get(DEVICE, 0) - block.nbytes >= cap / 2:
-                self._ws_extra += block.nbytes
-                self._use_device(block.id, block.nbytes)
+                self._home_on_device(block)
                 return DEVICE
             tiers = [t for t in TIER_ORDER if t != DEVICE]
         else:
