@@ -20,8 +20,10 @@ class Report:
     def __init__(self, summary: dict[str, Any], accesses: list[Access], moves: list[Move],
                  usage: list[tuple[float, str, int]], stalls: list[tuple[float, float, str]],
                  events: list[tuple] = (), catalog: Optional[dict[str, tuple[str, int]]] = None,
-                 slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None) -> None:
+                 slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None,
+                 policy: Any = None) -> None:
         self._summary = summary
+        self._policy = policy  # the run's policy= argument (a name, or the instance it copied)
         self.accesses = accesses
         self.moves = moves
         self.usage = usage
@@ -58,7 +60,8 @@ class Report:
         }
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
         return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
-                   list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots)
+                   list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
+                   state.cfg.policy)
 
     def capacities(self, **budgets: Optional[int]) -> dict[str, int]:
         """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced."""
@@ -72,7 +75,7 @@ class Report:
         tensors. With no arguments the result reproduces the run."""
         from .simulator import replay
 
-        return replay(self.events, self.catalog, policy or self._summary["policy"],
+        return replay(self.events, self.catalog, policy or self._policy or self._summary["policy"],
                       self.capacities(device=device, host=host, nvme=nvme), self.slot_size,
                       self.prefetch if prefetch is None else prefetch, self.host_slots)
 

@@ -148,7 +148,7 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     ids to ``(kind, nbytes)``; ``host_slots`` caps the host arena's slots as the run's model
     state did (``Report.host_slots``). With the run's own policy and budgets the result is the
     run's."""
-    rt = Runtime(dict(capacities), slot_size, make_policy(policy) if isinstance(policy, str) else policy,
+    rt = Runtime(dict(capacities), slot_size, make_policy(policy),
                  SimStorage(capacities, slot_size, host_slots), prefetch, host_slots)
     blocks: dict[str, SimBlock] = {}
 

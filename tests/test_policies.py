@@ -544,3 +544,33 @@ def test_settled_optimizer_states_train_like_eager_and_replay(routed, tmp_path) 
     rep = wrapped.placement_report()
     assert rep.simulate().traffic == d["traffic"]
     wrapped.close()
+
+
+def test_a_policy_instance_is_a_template_that_runs_and_replays_alike() -> None:
+    """A ``policy=`` instance (here a subclass with a name of its own) is copied: the run does
+    not change it, the same instance can serve another run, and ``Report.simulate()`` with no
+    arguments replays the run with a fresh copy (it raised KeyError on the unknown name, and a
+    replay with the run's own instance would start from what it learnt in the run)."""
+
+    class Recent(LRU):
+        name = "recent"
+
+    template = Recent()
+    total = state_bytes(GPT())
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = hetero.wrap(GPT(), device="cpu", device_budget=int(total * 0.3), chunk_size="8KiB",
+                            policy=template)
+        opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches(3, seed=2):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        rep = model.placement_report()
+        runs.append(rep.as_dict()["traffic"])
+        assert rep.as_dict()["policy"] == "recent"
+        assert rep.simulate().traffic == runs[-1] == rep.simulate().traffic
+        model.close()
+    assert not template._last  # never observed anything itself
+    assert runs[0] == runs[1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from .auto import Auto
 from .base import BlockInfo, Policy, Timeline
 from .hotness import Hotness
@@ -13,9 +15,11 @@ POLICIES = {"auto": Auto, "opt": Opt, "hotness": Hotness, "lru": LRU, "static": 
 
 
 def make_policy(policy: "str | Policy") -> Policy:
-    """A fresh policy object for a ``policy=`` argument (a name in POLICIES, or an instance)."""
+    """A fresh policy object for a ``policy=`` argument: a name in POLICIES, or an instance,
+    which is copied (a policy learns from what it observes: the caller's instance stays the
+    template every run and replay starts from)."""
     if isinstance(policy, Policy):
-        return policy
+        return copy.deepcopy(policy)
     return POLICIES[policy]()
 
 
