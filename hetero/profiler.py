@@ -23,7 +23,7 @@ class Report:
                  slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None,
                  policy: Any = None) -> None:
         self._summary = summary
-        self._policy = policy  # the run's policy= argument (a name, or the instance it copied)
+        self._policy = policy  # what a replay starts from: a name, or a copy of the run's instance
         self.accesses = accesses
         self.moves = moves
         self.usage = usage
@@ -61,7 +61,7 @@ class Report:
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
         return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
                    list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
-                   state.cfg.policy)
+                   state.policy_start)
 
     def capacities(self, **budgets: Optional[int]) -> dict[str, int]:
         """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced."""
@@ -72,10 +72,23 @@ class Report:
     def simulate(self, policy: Any = None, *, device: Optional[int] = None, host: Optional[int] = None,
                  nvme: Optional[int] = None, prefetch: Optional[int] = None) -> "SimResult":
         """Replay this run's event log under another policy and/or budgets (bytes), without
-        tensors. With no arguments the result reproduces the run."""
+        tensors. With no arguments the result reproduces the run (a policy instance passed here is
+        used as given, state included)."""
+        import copy
+
+        from .errors import HeteroConfigError
+        from .policies import POLICIES, Policy
         from .simulator import replay
 
-        return replay(self.events, self.catalog, policy or self._policy or self._summary["policy"],
+        if policy is None:
+            policy = self._policy or self._summary["policy"]
+            if isinstance(policy, Policy):
+                policy = copy.deepcopy(policy)  # every replay starts where the run started
+            elif policy not in POLICIES:
+                raise HeteroConfigError(
+                    f"this run's policy {policy!r} is an instance that could not be copied for a replay "
+                    "(it holds something deepcopy refuses); pass policy= a fresh instance to simulate()")
+        return replay(self.events, self.catalog, policy,
                       self.capacities(device=device, host=host, nvme=nvme), self.slot_size,
                       self.prefetch if prefetch is None else prefetch, self.host_slots)
 

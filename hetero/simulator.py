@@ -146,8 +146,8 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     """Re-issue ``events`` (a run's ``Report.events``) against a runtime with ``policy`` and
     ``capacities`` ({"device": bytes, "host": bytes, "nvme": bytes}); ``catalog`` maps block
     ids to ``(kind, nbytes)``; ``host_slots`` caps the host arena's slots as the run's model
-    state did (``Report.host_slots``). With the run's own policy and budgets the result is the
-    run's."""
+    state did (``Report.host_slots``). ``policy`` is a name or an instance, used as given (state
+    and all: pass a fresh one). With the run's own policy and budgets the result is the run's."""
     rt = Runtime(dict(capacities), slot_size, make_policy(policy),
                  SimStorage(capacities, slot_size, host_slots), prefetch, host_slots)
     blocks: dict[str, SimBlock] = {}
@@ -184,7 +184,7 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
             elif op == "hint":
                 rt.hint([get(i) for i in args[0]], args[1])
             elif op == "settle":
-                rt.settle([get(i) for i in args[0]])
+                rt.settle([[get(i) for i in g] for g in args[0]])
             elif op == "protect":
                 rt.protect([get(i) for i in args[0]], args[1])
             else:

@@ -58,9 +58,12 @@ class Victims:
                 return None
             chosen = self.policy.victim(tier, candidates).id
             return next(b for b in blocks if b.id == chosen)
+        # Ties go to the largest id, as in Policy.victim: the answer never depends on the order
+        # blocks are listed or stored in.
+        rank = lambda b: (key(info(b)), b.id)  # noqa: E731
         r = self._ranked.get(tier)
         if r is None or r.epoch != self._epoch:
-            order = [(key(info(b)), b) for b in blocks]
+            order = [(rank(b), b) for b in blocks]
             order.sort(key=lambda e: e[0], reverse=True)
             r = self._ranked[tier] = _Ranked(self._epoch, order)
         best: Optional[tuple[Any, Block]] = None
@@ -70,7 +73,7 @@ class Victims:
                 break
         for b in r.changed:
             if tier in b.tiers and eligible(b):
-                k = key(info(b))
+                k = rank(b)
                 if best is None or k > best[0]:
                     best = (k, b)
         return None if best is None else best[1]

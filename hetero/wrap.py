@@ -23,7 +23,7 @@ from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, format_size
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
-from .policies import make_policy
+from .policies import make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
 from .tiers import DEVICE, slot_size_for, slots_for
 from .units import Call, Unit, default_auto_wrap_policy, register_hooks, select_units, unit_blocks, unit_params
@@ -62,6 +62,7 @@ class HeteroState:
             id(s.param): (c, s) for c in chunks for s in c.slots}
         self.summoned = False
         self.sync_grads = True
+        self.policy_start: Any = cfg.policy  # what a replay starts from (policies.starting_copy)
 
     # --------------------------------------------------------------- hooks (see hetero.units)
 
@@ -504,6 +505,7 @@ def wrap(
                     "reset_parameters(); pass param_init_fn=callable(module) to initialize them")
 
     # Nothing has moved so far; from here on the runtime places the state.
+    start = starting_copy(cfg.policy)  # for Report.simulate(): the policy as the run found it
     runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
     original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
     try:
@@ -517,6 +519,7 @@ def wrap(
                     s.param.data = original[id(s.param)]
         raise
     state = HeteroState(cfg, module, units, chunks, runtime)
+    state.policy_start = start
     ref = weakref.ref(state)
     for unit in units:
         register_hooks(ref, unit)

@@ -129,3 +129,60 @@ def test_chunks_updated_in_place_give_up_no_guarantee(tmp_path, caplog) -> None:
     assert "can no longer be undone" not in caplog.text
     assert_within_budgets(model)
     model.close()
+
+
+def test_a_transfer_failing_while_every_chunk_is_in_place_changes_nothing(tmp_path, monkeypatch) -> None:
+    """Every chunk of the step is in place (nothing to move), but an earlier transfer, here a
+    write-back to NVMe of a block outside the optimizer, is still in flight and fails. The
+    step must wait for it before committing: it raises HeteroIOError with nothing changed.
+    (It used to commit at once and update chunks until the failure surfaced among them.)"""
+    import time
+
+    from hetero.optim import adam
+
+    total = state_bytes(make())
+    model = hetero.wrap(make(), **budgets(total, 1.5, 0.5, tmp_path), chunk_size="8KiB")
+    rt = model._hetero_state.runtime
+    last = model._hetero_state.chunks[-1]
+    outside = {id(s.param) for s in last.slots}
+    opt = hetero.optim.AdamW([p for p in model.parameters() if id(p) not in outside], lr=1e-2)
+    data = batches(5, seed=3)
+    for b in data[:3]:
+        default_step(model, opt, b)
+    x, y = data[3]
+    model(x, y).backward()
+    rt.drain()
+    work = [c for c in opt._chunks() if opt._runs(c, opt._group_index())]
+    assert all(opt._in_place(c) for c in work), "the configuration must leave every chunk in place"
+    before = snapshot(model, opt)
+    block = last.blocks["param"]
+    rt._evict(block, "device")
+    rt.drain()
+    # Each update takes a while, and the disk reports the write-back done only 30 ms after it
+    # was submitted: without the wait, the failure surfaces after some chunks were updated.
+    real_step = adam.adam_step_
+
+    def slow_step(*a, **k):
+        time.sleep(0.005)
+        return real_step(*a, **k)
+
+    real_done = engine.Handle.done
+    submitted: dict[int, float] = {}
+
+    def slow_done(self) -> bool:
+        t = submitted.setdefault(id(self), time.monotonic())
+        return real_done(self) and time.monotonic() - t > 0.03
+
+    monkeypatch.setattr(adam, "adam_step_", slow_step)
+    monkeypatch.setattr(engine.Handle, "done", slow_done)
+    engine.inject_fault("eio", after=0)
+    try:
+        rt._evict(block, "host")  # written to NVMe, in flight, failing
+        with pytest.raises(hetero.HeteroIOError):
+            opt.step()
+    finally:
+        engine.inject_fault("none")
+    assert_same_state(snapshot(model, opt), before)
+    opt.step()  # the fault is gone: the step goes through
+    assert any(not torch.equal(a, b) for a, b in zip(snapshot(model, opt)[0].values(), before[0].values()))
+    model.close()

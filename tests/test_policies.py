@@ -255,20 +255,21 @@ def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> 
     caps = {"device": 100, "host": 1000, "nvme": 10000}
     o = Auto()
     o.sizes = {"a": 30, "b": 30}
-    m = info("m", nbytes=20, kind="exp_avg")
-    assert o.settle(m, caps) is None  # no complete step yet: nothing is known
+    m, v = info("m", nbytes=10, kind="exp_avg"), info("v", nbytes=10, kind="exp_avg_sq")
+    assert not o.settle([m, v], caps)  # no complete step yet: nothing is known
     feed(o, "ab")
-    assert o.settle(m, caps) is None  # (with NVMe the first step does not count itself)
+    assert not o.settle([m, v], caps)  # nor while the first step is running
     o.end_step(0)
-    assert o.settle(m, caps) == "device"  # 60 + 20 <= 100
-    assert o.settle(info("v", nbytes=20, kind="exp_avg_sq"), caps) == "device"  # 80 + 20
-    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # 101 > 100
-    feed(o, "ab", step=1)  # the next step: a, b and the states settled for it, 100 bytes
+    assert o.settle([m, v], caps)  # 60 + 20 <= 100
+    assert o.settle([info("m2", nbytes=10, kind="exp_avg"), info("v2", nbytes=10, kind="exp_avg_sq")], caps)
+    big = [info("m3", nbytes=1, kind="exp_avg"), info("v3", nbytes=1, kind="exp_avg_sq")]
+    assert not o.settle(big, caps)  # 100 + 2 > 100: the group stays together, below
+    feed(o, "ab", step=1)  # the next step: a, b and the four states settled for it, 100 bytes
     o.end_step(1)
-    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None
-    assert o.settle(info("p", nbytes=1, kind="param"), caps) is None  # only optimizer states move
+    assert not o.settle(big, caps)
+    assert not o.settle([info("p", nbytes=1, kind="param")], caps)  # only optimizer states move
     for cls in (LRU, Hotness, Static):  # the other policies leave blocks where they are
-        assert cls().settle(m, caps) is None
+        assert not cls().settle([m, v], caps)
 
 
 def events_for(groups_per_step: list[list[str]], steps: int) -> list[tuple]:
@@ -519,8 +520,7 @@ def test_prefetch_keeps_working_when_routing_changes() -> None:
     assert rep["prefetch"]["issued"] >= rep["prefetch"]["hits"] > 0
 
 
-@pytest.mark.parametrize("routed", [False, True])
-def test_settled_optimizer_states_train_like_eager_and_replay(routed, tmp_path) -> None:
+def test_settled_optimizer_states_train_like_eager_and_replay(tmp_path) -> None:
     """With NVMe, Adam states start below the device (the first step is all or nothing and
     cannot count itself); after a complete step those that fit beside the device working set
     move up, and their chunks' steps then run on the device. Training still matches eager,
@@ -529,9 +529,9 @@ def test_settled_optimizer_states_train_like_eager_and_replay(routed, tmp_path) 
 
     def make() -> GPT:
         torch.manual_seed(0)
-        return GPT(routed=routed)
+        return GPT()
 
-    total = state_bytes(make())
+    total = state_bytes(make())  # device 0.6: the states do not fit at first (the rule of home)
     kw = dict(budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB")
     eager_losses, losses, eager, wrapped = train_pair(make, kw, batches(5, seed=1))
     rt = wrapped._hetero_state.runtime
@@ -546,31 +546,47 @@ def test_settled_optimizer_states_train_like_eager_and_replay(routed, tmp_path) 
     wrapped.close()
 
 
-def test_a_policy_instance_is_a_template_that_runs_and_replays_alike() -> None:
-    """A ``policy=`` instance (here a subclass with a name of its own) is copied: the run does
-    not change it, the same instance can serve another run, and ``Report.simulate()`` with no
-    arguments replays the run with a fresh copy (it raised KeyError on the unknown name, and a
-    replay with the run's own instance would start from what it learnt in the run)."""
+def test_a_policy_instance_runs_live_and_replays_from_where_it_started() -> None:
+    """A ``policy=`` instance (here a subclass with a name of its own) is the run's live policy,
+    so the caller can watch what it learns; ``Report.simulate()`` with no arguments replays the
+    run from a copy taken before the run (it raised KeyError on the unknown name). An instance
+    that cannot be copied still trains, and simulate() then asks for a policy by name."""
+    import threading
+
+    from hetero.errors import HeteroConfigError
 
     class Recent(LRU):
         name = "recent"
 
-    template = Recent()
+    class Locked(LRU):
+        name = "locked"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lock = threading.Lock()  # deepcopy refuses it
+
     total = state_bytes(GPT())
-    runs = []
-    for _ in range(2):
+
+    def run(policy):
         torch.manual_seed(0)
         model = hetero.wrap(GPT(), device="cpu", device_budget=int(total * 0.3), chunk_size="8KiB",
-                            policy=template)
+                            policy=policy)
         opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
         for x, y in batches(3, seed=2):
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
         rep = model.placement_report()
-        runs.append(rep.as_dict()["traffic"])
-        assert rep.as_dict()["policy"] == "recent"
-        assert rep.simulate().traffic == runs[-1] == rep.simulate().traffic
         model.close()
-    assert not template._last  # never observed anything itself
-    assert runs[0] == runs[1]
+        return rep
+
+    live = Recent()
+    rep = run(live)
+    assert rep.as_dict()["policy"] == "recent"
+    assert live._last  # the caller's instance is the one that ran
+    traffic = rep.as_dict()["traffic"]
+    assert rep.simulate().traffic == traffic == rep.simulate().traffic
+    rep = run(Locked())
+    with pytest.raises(HeteroConfigError, match="policy="):
+        rep.simulate()
+    assert rep.simulate(Recent()).traffic == rep.as_dict()["traffic"]

@@ -88,7 +88,7 @@ def checked(monkeypatch):
             key = self.policy.victim_key(tier)
             for k, b in r.order:
                 if b not in r.changed and tier in b.tiers:
-                    assert key(info(b)) == k, f"stale key of {b.id} on {tier}"
+                    assert (key(info(b)), b.id) == k, f"stale key of {b.id} on {tier}"
         got = real(self, tier, blocks, info, eligible)
         candidates = [info(b) for b in blocks if eligible(b)]
         want = self.policy.victim(tier, candidates).id if candidates else None
@@ -128,7 +128,7 @@ def test_ranked_choices_match_the_policy_in_a_real_run(policy, tmp_path, checked
     assert checked["n"] > 100
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", ["opt", "auto"])  # whose keys change at a step's end
 def test_a_ranking_does_not_outlive_the_step(policy, checked) -> None:
     """A step's end changes the policy's keys (``opt`` adopts the recorded step): a ranking made
     after the step's last acquire is not used after its end."""

@@ -177,7 +177,10 @@ class Adam(torch.optim.Optimizer):
                     for (chunk, runs), ahead in _with_next(moving):
                         self._step_chunk(chunk, runs, groups, shadow=True, ahead=ahead)
                     work = [w for w in work if w not in moving]
-                    rt.drain()
+                # Every transfer still in flight, this step's or earlier ones (write-backs and
+                # prefetches of the backward), must have landed before the commit: the updates
+                # after it cannot be undone, so no failure may surface among them.
+                rt.drain()
         except BaseException:
             # Chunks whose writes could not all be undone (no room was left for their older
             # copies: logged) keep this step, step counts included, so each chunk stays consistent.
@@ -206,12 +209,11 @@ class Adam(torch.optim.Optimizer):
         return loss
 
     def _settle(self) -> None:
-        """Now that a whole step has shown what the device must hold, let the states that fit
-        there beside it move up (:meth:`Runtime.settle`): their chunks' next steps run on the
-        device and move nothing."""
-        self._state.runtime.settle([b for c in self._chunks() if _has_states(c)
-                                    for b in (c.blocks[EXP_AVG], c.blocks[EXP_AVG_SQ])
-                                    if DEVICE not in b.tiers])
+        """Now that a whole step has shown what the device must hold, let each chunk's states
+        that fit there beside it move up (:meth:`Runtime.settle`): the chunk's next steps run on
+        the device and move nothing."""
+        self._state.runtime.settle([[c.blocks[EXP_AVG], c.blocks[EXP_AVG_SQ]] for c in self._chunks()
+                                    if _has_states(c) and DEVICE not in c.blocks[EXP_AVG].tiers])
 
     def _hint(self, chunk: Chunk) -> None:
         """Start fetching what ``chunk``'s step reads and writes to the tier it will be updated

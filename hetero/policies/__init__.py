@@ -15,13 +15,23 @@ POLICIES = {"auto": Auto, "opt": Opt, "hotness": Hotness, "lru": LRU, "static": 
 
 
 def make_policy(policy: "str | Policy") -> Policy:
-    """A fresh policy object for a ``policy=`` argument: a name in POLICIES, or an instance,
-    which is copied (a policy learns from what it observes: the caller's instance stays the
-    template every run and replay starts from)."""
+    """The policy object for a ``policy=`` argument: a fresh one for a name in POLICIES; an
+    instance is used as given (it is the run's live policy, and learns from what it observes)."""
     if isinstance(policy, Policy):
-        return copy.deepcopy(policy)
+        return policy
     return POLICIES[policy]()
 
 
-__all__ = ["Policy", "BlockInfo", "Timeline", "make_policy", "POLICIES",
+def starting_copy(policy: "str | Policy") -> "str | Policy | None":
+    """What a replay of a run can start from: the name, or a copy of the instance taken before
+    the run uses it (None where it cannot be copied, e.g. it holds a lock)."""
+    if not isinstance(policy, Policy):
+        return policy
+    try:
+        return copy.deepcopy(policy)
+    except Exception:  # noqa: BLE001 - any object a policy may hold
+        return None
+
+
+__all__ = ["Policy", "BlockInfo", "Timeline", "make_policy", "starting_copy", "POLICIES",
            "Auto", "Opt", "Hotness", "LRU", "Static"]

@@ -6,8 +6,8 @@ runtime (and the simulator, which is the same runtime over simulated storage) ca
 * :meth:`Policy.observe` for every recorded acquire, and :meth:`Policy.end_step` after each step;
 * :meth:`Policy.victim` (or the ranking of :meth:`Policy.victim_key`) to choose which unpinned
   block leaves a full tier;
-* :meth:`Policy.home` for the tier a new block starts on, and :meth:`Policy.settle` whether an
-  optimizer state below the device should move up after a step;
+* :meth:`Policy.home` for the tier a new block starts on, and :meth:`Policy.settle` whether a
+  chunk's optimizer states in host memory should move up to the device after a step;
 * :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order;
 
 and keeps :attr:`Policy.sizes` current (the bytes of every block it has created, by id).
@@ -54,14 +54,15 @@ class Policy:
 
     def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
         """The block to evict from ``tier``; ``candidates`` is non-empty and all are unpinned.
-        Default: the candidate with the largest :meth:`victim_key`."""
+        Default: the candidate with the largest :meth:`victim_key` (then the largest id)."""
         key = self.victim_key(tier)
         if key is None:
             raise NotImplementedError(f"{type(self).__name__} defines neither victim nor victim_key")
-        return max(candidates, key=key)
+        return max(candidates, key=lambda b: (key(b), b.id))
 
     def victim_key(self, tier: str) -> Optional[Callable[[BlockInfo], Any]]:
-        """A ranking of blocks on ``tier`` as victims (largest first, no two equal), or None.
+        """A ranking of blocks on ``tier`` as victims (largest first; ties go to the largest id),
+        or None.
         Keys may change only in :meth:`observe` and :meth:`end_step`: in between, the runtime
         sorts a tier once and evicts down the list (:mod:`hetero.victims`) instead of weighing
         every block for every eviction. Used only where :meth:`victim` is this default."""
@@ -74,11 +75,13 @@ class Policy:
                 return tier
         return HOST
 
-    def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
-        """The tier an existing block below the device should move up to now, or None (the
-        default) to leave it: asked after each step for optimizer states, whose best home may
-        be known only once a step has shown what else the device must hold."""
-        return None
+    def settle(self, blocks: Sequence[BlockInfo], capacity: Mapping[str, int]) -> bool:
+        """Whether ``blocks`` (one chunk's optimizer states, now in host memory) should move up
+        to the device together; False (the default) leaves them. Asked after each step, since
+        a state's best home may be known only once a step has shown what else the device must
+        hold; the runtime offers only groups that fit in the device's free room, and moves
+        every group this answers True for."""
+        return False
 
     def next_use(self, block_id: str, tier: str) -> float:
         """Predicted accesses until ``block_id`` is next needed on ``tier`` (inf: not expected)."""
