@@ -394,27 +394,24 @@ class Runtime:
         finally:
             self._protected -= wanted
 
-    def settle(self, groups: Sequence[Sequence[Block]]) -> None:
-        """Offer the policy to move each group of blocks (one chunk's optimizer states, kept
-        below the device) up to the device together (:meth:`Policy.settle`; the optimizer asks
-        after each step, once a step has shown what the device must hold), and start copying
-        those it takes. Only groups in host memory, not in use, that fit in the device's free
-        room are offered: the copies evict nothing and read no swap file, so nothing can fail
-        after the step that asked has returned. Recorded in the event log."""
-        self.tracker.event("settle", tuple(tuple(b.id for b in g) for g in groups))
+    def settle(self, blocks: Sequence[Block]) -> None:
+        """Ask the policy whether ``blocks`` should now live elsewhere (:meth:`Policy.settle`;
+        the optimizer asks for the states it keeps below the device after each step, once the
+        step's working set is known) and start bringing those it moves up. Speculative, like a
+        prefetch: it uses free room only (host room to stage a block from NVMe, device room),
+        evicting nothing, and a failed read surfaces from the next runtime call like a failed
+        prefetch, with the step that asked complete. Recorded in the event log."""
+        self.tracker.event("settle", tuple(b.id for b in blocks))
         if not self.prefetching or self.prefetch_depth <= 0:
             return
         capacity = {n: t.capacity for n, t in self.tiers.items()}
-        device = self.tiers[DEVICE]
-        for group in groups:
-            if not group or not all(HOST in b.tiers and self._fetchable(b, DEVICE) for b in group):
+        for block in blocks:
+            if not block.tiers or DEVICE in block.tiers or not self._fetchable(block, DEVICE):
                 continue
-            if sum(b.nbytes for b in group) > device.free:
+            if self.policy.settle(self._info(block), capacity) != DEVICE:
                 continue
-            if not self.policy.settle([self._info(b) for b in group], capacity):
-                continue
-            for block in group:
-                self._prefetch_one(block, DEVICE, math.inf)
+            if not self._prefetch_one(block, DEVICE, math.inf):
+                return
 
     def set_prefetching(self, on: bool) -> None:
         """Turn prefetch off (on) for the acquires that follow."""

@@ -184,7 +184,7 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
             elif op == "hint":
                 rt.hint([get(i) for i in args[0]], args[1])
             elif op == "settle":
-                rt.settle([[get(i) for i in g] for g in args[0]])
+                rt.settle([get(i) for i in args[0]])
             elif op == "protect":
                 rt.protect([get(i) for i in args[0]], args[1])
             else:

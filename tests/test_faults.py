@@ -186,3 +186,45 @@ def test_a_transfer_failing_while_every_chunk_is_in_place_changes_nothing(tmp_pa
     opt.step()  # the fault is gone: the step goes through
     assert any(not torch.equal(a, b) for a, b in zip(snapshot(model, opt)[0].values(), before[0].values()))
     model.close()
+
+
+def test_a_failed_read_of_a_settling_state_loses_nothing(tmp_path, monkeypatch) -> None:
+    """States settling on the device after a step may be read from NVMe, speculatively, after
+    step() returned. A read that fails surfaces from the next runtime call, like a failed
+    prefetch: the step that asked is complete, nothing is lost, and training goes on to match
+    eager PyTorch."""
+    from hetero import runtime as R
+    from helpers import assert_same_model
+
+    total = state_bytes(make())
+    model = hetero.wrap(make(), **budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    eager = make()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    rt = model._hetero_state.runtime
+    real_settle = R.Runtime.settle
+    reads = {"n": 0}
+
+    def failing_settle(self, blocks):
+        before = self.tracker.traffic["nvme->host"]
+        engine.inject_fault("eio", after=0)  # the settle's first swap read fails
+        try:
+            real_settle(self, blocks)
+        finally:
+            engine.inject_fault("none")
+        reads["n"] += self.tracker.traffic["nvme->host"] > before
+
+    data = batches(6, seed=1)
+    for i, b in enumerate(data):
+        default_step(eager, eager_opt, b)
+        if i == 2:
+            monkeypatch.setattr(R.Runtime, "settle", failing_settle)
+            default_step(model, opt, b)  # returns: the step is complete
+            monkeypatch.setattr(R.Runtime, "settle", real_settle)
+            assert reads["n"], "the configuration must settle states from NVMe"
+            with pytest.raises(hetero.HeteroIOError):
+                rt.drain()
+        else:
+            default_step(model, opt, b)
+    assert_same_model(eager, model)
+    model.close()

@@ -255,21 +255,20 @@ def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> 
     caps = {"device": 100, "host": 1000, "nvme": 10000}
     o = Auto()
     o.sizes = {"a": 30, "b": 30}
-    m, v = info("m", nbytes=10, kind="exp_avg"), info("v", nbytes=10, kind="exp_avg_sq")
-    assert not o.settle([m, v], caps)  # no complete step yet: nothing is known
+    m = info("m", nbytes=20, kind="exp_avg")
+    assert o.settle(m, caps) is None  # no complete step yet: nothing is known
     feed(o, "ab")
-    assert not o.settle([m, v], caps)  # nor while the first step is running
+    assert o.settle(m, caps) is None  # nor while the first step is running
     o.end_step(0)
-    assert o.settle([m, v], caps)  # 60 + 20 <= 100
-    assert o.settle([info("m2", nbytes=10, kind="exp_avg"), info("v2", nbytes=10, kind="exp_avg_sq")], caps)
-    big = [info("m3", nbytes=1, kind="exp_avg"), info("v3", nbytes=1, kind="exp_avg_sq")]
-    assert not o.settle(big, caps)  # 100 + 2 > 100: the group stays together, below
-    feed(o, "ab", step=1)  # the next step: a, b and the four states settled for it, 100 bytes
+    assert o.settle(m, caps) == "device"  # 60 + 20 <= 100
+    assert o.settle(info("v", nbytes=20, kind="exp_avg_sq"), caps) == "device"  # 80 + 20
+    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # 101 > 100
+    feed(o, "ab", step=1)  # the next step: a, b and the states settled for it, 100 bytes
     o.end_step(1)
-    assert not o.settle(big, caps)
-    assert not o.settle([info("p", nbytes=1, kind="param")], caps)  # only optimizer states move
+    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None
+    assert o.settle(info("p", nbytes=1, kind="param"), caps) is None  # only optimizer states move
     for cls in (LRU, Hotness, Static):  # the other policies leave blocks where they are
-        assert not cls().settle([m, v], caps)
+        assert cls().settle(m, caps) is None
 
 
 def events_for(groups_per_step: list[list[str]], steps: int) -> list[tuple]:
@@ -553,6 +552,7 @@ def test_a_policy_instance_runs_live_and_replays_from_where_it_started() -> None
     that cannot be copied still trains, and simulate() then asks for a policy by name."""
     import threading
 
+    from helpers import default_step
     from hetero.errors import HeteroConfigError
 
     class Recent(LRU):
@@ -572,10 +572,8 @@ def test_a_policy_instance_runs_live_and_replays_from_where_it_started() -> None
         model = hetero.wrap(GPT(), device="cpu", device_budget=int(total * 0.3), chunk_size="8KiB",
                             policy=policy)
         opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-        for x, y in batches(3, seed=2):
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        for b in batches(3, seed=2):
+            default_step(model, opt, b)
         rep = model.placement_report()
         model.close()
         return rep

@@ -11,6 +11,7 @@ import hetero
 from hetero.policies import LRU, BlockInfo, Policy
 from hetero.simulator import replay
 from hetero.victims import Victims
+from helpers import default_step
 from models import GPT, batches, state_bytes
 from test_policies import training_logs
 
@@ -120,10 +121,8 @@ def test_ranked_choices_match_the_policy_in_a_real_run(policy, tmp_path, checked
                         host_budget=int(total * 0.3), nvme_path=str(tmp_path), chunk_size="8KiB",
                         policy=policy)
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-    for x, y in batches(4, seed=4):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    for b in batches(4, seed=4):
+        default_step(model, opt, b)
     model.close()
     assert checked["n"] > 100
 

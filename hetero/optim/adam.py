@@ -209,11 +209,12 @@ class Adam(torch.optim.Optimizer):
         return loss
 
     def _settle(self) -> None:
-        """Now that a whole step has shown what the device must hold, let each chunk's states
-        that fit there beside it move up (:meth:`Runtime.settle`): the chunk's next steps run on
-        the device and move nothing."""
-        self._state.runtime.settle([[c.blocks[EXP_AVG], c.blocks[EXP_AVG_SQ]] for c in self._chunks()
-                                    if _has_states(c) and DEVICE not in c.blocks[EXP_AVG].tiers])
+        """Now that a whole step has shown what the device must hold, let the states that fit
+        there beside it move up (:meth:`Runtime.settle`): their chunks' next steps run on the
+        device and move nothing."""
+        self._state.runtime.settle([b for c in self._chunks() if _has_states(c)
+                                    for b in (c.blocks[EXP_AVG], c.blocks[EXP_AVG_SQ])
+                                    if DEVICE not in b.tiers])
 
     def _hint(self, chunk: Chunk) -> None:
         """Start fetching what ``chunk``'s step reads and writes to the tier it will be updated

@@ -6,8 +6,8 @@ runtime (and the simulator, which is the same runtime over simulated storage) ca
 * :meth:`Policy.observe` for every recorded acquire, and :meth:`Policy.end_step` after each step;
 * :meth:`Policy.victim` (or the ranking of :meth:`Policy.victim_key`) to choose which unpinned
   block leaves a full tier;
-* :meth:`Policy.home` for the tier a new block starts on, and :meth:`Policy.settle` whether a
-  chunk's optimizer states in host memory should move up to the device after a step;
+* :meth:`Policy.home` for the tier a new block starts on, and :meth:`Policy.settle` whether an
+  optimizer state below the device should move up after a step;
 * :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order;
 
 and keeps :attr:`Policy.sizes` current (the bytes of every block it has created, by id).
@@ -75,13 +75,11 @@ class Policy:
                 return tier
         return HOST
 
-    def settle(self, blocks: Sequence[BlockInfo], capacity: Mapping[str, int]) -> bool:
-        """Whether ``blocks`` (one chunk's optimizer states, now in host memory) should move up
-        to the device together; False (the default) leaves them. Asked after each step, since
-        a state's best home may be known only once a step has shown what else the device must
-        hold; the runtime offers only groups that fit in the device's free room, and moves
-        every group this answers True for."""
-        return False
+    def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
+        """The tier an existing block below the device should move up to now, or None (the
+        default) to leave it: asked after each step for optimizer states, whose best home may
+        be known only once a step has shown what else the device must hold."""
+        return None
 
     def next_use(self, block_id: str, tier: str) -> float:
         """Predicted accesses until ``block_id`` is next needed on ``tier`` (inf: not expected)."""

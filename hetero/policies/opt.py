@@ -93,17 +93,16 @@ class Opt(Policy):
         self._ws_extra += block.nbytes
         self._use_device(block.id, block.nbytes)
 
-    def settle(self, blocks: Sequence[BlockInfo], capacity: Mapping[str, int]) -> bool:
-        """Optimizer states move up where they fit beside the device working set of a complete
-        step, as :meth:`home` would have placed them had that step been known (with NVMe, the
-        first step cannot count itself)."""
-        if not self._ws_max or any(b.kind not in OPTIMIZER_KINDS for b in blocks):
-            return False
-        if self._ws_max + self._ws_extra + sum(b.nbytes for b in blocks) > capacity.get(DEVICE, 0):
-            return False
-        for b in blocks:
-            self._home_on_device(b)
-        return True
+    def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
+        """An optimizer state below the device moves up where it fits beside the device working
+        set of a complete step, as :meth:`home` would have placed it had that step been known
+        (with NVMe, the first step does not count itself)."""
+        if block.kind not in OPTIMIZER_KINDS or not self._ws_max:
+            return None
+        if self._ws_max + self._ws_extra + block.nbytes > capacity.get(DEVICE, 0):
+            return None
+        self._home_on_device(block)
+        return DEVICE
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Optimizer states are used once a step (long reuse distance): they take the device only
