@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -74,8 +75,6 @@ class Report:
         """Replay this run's event log under another policy and/or budgets (bytes), without
         tensors. With no arguments the result reproduces the run (a policy instance passed here is
         used as given, state included)."""
-        import copy
-
         from .errors import HeteroConfigError
         from .policies import POLICIES, Policy
         from .simulator import replay

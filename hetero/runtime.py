@@ -398,9 +398,10 @@ class Runtime:
         """Ask the policy whether ``blocks`` should now live elsewhere (:meth:`Policy.settle`;
         the optimizer asks for the states it keeps below the device after each step, once the
         step's working set is known) and start bringing those it moves up. Speculative, like a
-        prefetch: it uses free room only (host room to stage a block from NVMe, device room),
-        evicting nothing, and a failed read surfaces from the next runtime call like a failed
-        prefetch, with the step that asked complete. Recorded in the event log."""
+        prefetch: it uses free room only (host room to stage a block from NVMe, device room;
+        only free host slots that are not contiguous make a placement clear a window), and a
+        failed read surfaces from the next runtime call like a failed prefetch, with the step
+        that asked complete. Recorded in the event log."""
         self.tracker.event("settle", tuple(b.id for b in blocks))
         if not self.prefetching or self.prefetch_depth <= 0:
             return
