@@ -15,6 +15,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .wrap import HeteroState
 
 
+_UNKNOWN = object()  # a Report made without saying what its run's policy started as
+
+
 class Report:
     """A snapshot of a HeteroModule's placement (taken by ``placement_report()``)."""
 
@@ -22,9 +25,11 @@ class Report:
                  usage: list[tuple[float, str, int]], stalls: list[tuple[float, float, str]],
                  events: list[tuple] = (), catalog: Optional[dict[str, tuple[str, int]]] = None,
                  slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None,
-                 policy: Any = None) -> None:
+                 policy: Any = _UNKNOWN) -> None:
+        # policy: what a replay starts from (a name, or a copy of the run's instance taken before
+        # it ran); None where the instance could not be copied; by default the summary's name.
         self._summary = summary
-        self._policy = policy  # what a replay starts from: a name, or a copy of the run's instance
+        self._policy = policy
         self.accesses = accesses
         self.moves = moves
         self.usage = usage
@@ -80,13 +85,14 @@ class Report:
         from .simulator import replay
 
         if policy is None:
-            policy = self._policy or self._summary["policy"]
-            if isinstance(policy, Policy):
-                policy = copy.deepcopy(policy)  # every replay starts where the run started
-            elif policy not in POLICIES:
+            start = self._summary["policy"] if self._policy is _UNKNOWN else self._policy
+            if start is None or (isinstance(start, str) and start not in POLICIES):
                 raise HeteroConfigError(
-                    f"this run's policy {policy!r} is an instance that could not be copied for a replay "
-                    "(it holds something deepcopy refuses); pass policy= a fresh instance to simulate()")
+                    f"this run's policy {self._summary['policy']!r} is an instance that could not be "
+                    "copied for a replay (it holds something deepcopy refuses); pass policy= a fresh "
+                    "instance to simulate()")
+            # every replay starts where the run started
+            policy = copy.deepcopy(start) if isinstance(start, Policy) else start
         return replay(self.events, self.catalog, policy,
                       self.capacities(device=device, host=host, nvme=nvme), self.slot_size,
                       self.prefetch if prefetch is None else prefetch, self.host_slots)

@@ -588,3 +588,6 @@ def test_a_policy_instance_runs_live_and_replays_from_where_it_started() -> None
     with pytest.raises(HeteroConfigError, match="policy="):
         rep.simulate()
     assert rep.simulate(Recent()).traffic == rep.as_dict()["traffic"]
+    Locked.name = "lru"  # a built-in's name does not make a fresh built-in its stand-in
+    with pytest.raises(HeteroConfigError, match="policy="):
+        run(Locked()).simulate()
