@@ -407,7 +407,7 @@ class Runtime:
             return
         capacity = {n: t.capacity for n, t in self.tiers.items()}
         for block in blocks:
-            if not block.tiers or DEVICE in block.tiers or not self._fetchable(block, DEVICE):
+            if not self._fetchable(block, DEVICE):  # (also: not discarded, not on the device yet)
                 continue
             if self.policy.settle(self._info(block), capacity) != DEVICE:
                 continue
@@ -737,18 +737,15 @@ class Runtime:
             except BaseException:
                 if op.compute:  # deferred work raised: nothing to undo, the error is the caller's
                     op.state = "failed"
-                    self._retire(op)
+                    self._ops.remove(op)
                 raise
             if not op.compute:
                 self.tracker.move(op.block.id, op.src, op.dst, op.block.nbytes, op.start,
                                   self.tracker.now(), op.prefetch)
         op.state = "finished"
-        self._retire(op)
+        self._ops.remove(op)
         if op.freed_src:
             self.storage.release(op.block, op.src)
-
-    def _retire(self, op: Op) -> None:
-        self._ops.remove(op)
 
     def _wait_op(self, op: Op) -> None:
         for d in op.deps:
@@ -816,7 +813,7 @@ class Runtime:
                     self._finish(op)
         for op in sorted(bad, key=lambda o: o.seq, reverse=True):
             assert not op.compute, f"runtime bug: {op} undone (deferred work has no dependencies)"
-            self._retire(op)
+            self._ops.remove(op)
             block = op.block
             if op.dst is not None and op.dst in block.tiers:
                 self._drop(block, op.dst)

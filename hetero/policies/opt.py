@@ -89,6 +89,15 @@ class Opt(Policy):
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
         return self.timeline.upcoming(groups)
 
+    def _fits_beside_working_set(self, nbytes: int, capacity: Mapping[str, int]) -> bool:
+        """Whether ``nbytes`` more fit on the device beside its working set: the largest complete
+        step's distinct device bytes plus the optimizer blocks homed there since; without an
+        NVMe tier, the current step's so far if larger (see :meth:`home`)."""
+        ws = self._ws_max + self._ws_extra
+        if NVME not in capacity:  # no all-or-nothing step: the first step may count itself
+            ws = max(ws, self._ws_now)
+        return bool(ws) and ws + nbytes <= capacity.get(DEVICE, 0)
+
     def _home_on_device(self, block: BlockInfo) -> None:
         self._ws_extra += block.nbytes
         self._use_device(block.id, block.nbytes)
@@ -99,7 +108,7 @@ class Opt(Policy):
         (with NVMe, the first step does not count itself)."""
         if block.kind not in OPTIMIZER_KINDS or not self._ws_max:
             return None
-        if self._ws_max + self._ws_extra + block.nbytes > capacity.get(DEVICE, 0):
+        if not self._fits_beside_working_set(block.nbytes, capacity):
             return None
         self._home_on_device(block)
         return DEVICE
@@ -115,11 +124,8 @@ class Opt(Policy):
         cannot give to all of them at once (the step would lose its guarantee). Everything else
         takes the fastest room."""
         if block.kind in OPTIMIZER_KINDS:
-            cap = capacity.get(DEVICE, 0)
-            ws = self._ws_max + self._ws_extra
-            if NVME not in capacity:  # no all-or-nothing step: the first step may count itself
-                ws = max(ws, self._ws_now)
-            if (ws and ws + block.nbytes <= cap) or free.get(DEVICE, 0) - block.nbytes >= cap / 2:
+            if (self._fits_beside_working_set(block.nbytes, capacity)
+                    or free.get(DEVICE, 0) - block.nbytes >= capacity.get(DEVICE, 0) / 2):
                 self._home_on_device(block)
                 return DEVICE
             tiers = [t for t in TIER_ORDER if t != DEVICE]
