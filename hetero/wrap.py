@@ -52,7 +52,7 @@ class HeteroState:
     """Everything hetero knows about one wrapped model; shared by the hooks and the optimizer."""
 
     def __init__(self, cfg: Config, root: nn.Module, units: list[Unit], chunks: list[Chunk],
-                 runtime: Runtime) -> None:
+                 runtime: Runtime, policy_start: Any) -> None:
         self.cfg = cfg
         self.root = root
         self.units = units
@@ -62,7 +62,7 @@ class HeteroState:
             id(s.param): (c, s) for c in chunks for s in c.slots}
         self.summoned = False
         self.sync_grads = True
-        self.policy_start: Any = cfg.policy  # what a replay starts from (policies.starting_copy)
+        self.policy_start = policy_start  # what a replay starts from (policies.starting_copy)
 
     # --------------------------------------------------------------- hooks (see hetero.units)
 
@@ -505,7 +505,7 @@ def wrap(
                     "reset_parameters(); pass param_init_fn=callable(module) to initialize them")
 
     # Nothing has moved so far; from here on the runtime places the state.
-    start = starting_copy(cfg.policy)  # for Report.simulate(): the policy as the run found it
+    policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run
     runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
     original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
     try:
@@ -518,8 +518,7 @@ def wrap(
                 if id(s.param) in original:
                     s.param.data = original[id(s.param)]
         raise
-    state = HeteroState(cfg, module, units, chunks, runtime)
-    state.policy_start = start
+    state = HeteroState(cfg, module, units, chunks, runtime, policy_start)
     ref = weakref.ref(state)
     for unit in units:
         register_hooks(ref, unit)
