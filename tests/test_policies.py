@@ -271,6 +271,30 @@ def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> 
         assert cls().settle(m, caps) is None
 
 
+def test_a_settled_state_is_expected_on_the_device_at_its_next_update() -> None:
+    # The recorded step updated m on the host; once m has settled on the device its chunk's next
+    # update runs there, so its next device use is its next use anywhere, not "never" (which
+    # would make it the first victim, pushed out before the update it was moved up for).
+    caps = {"device": 100, "host": 1000, "nvme": 10000}
+    for policy in (Opt, Auto):
+        o = policy()
+        o.sizes = {"a": 30, "b": 30, "m": 20}
+        feed(o, "a")
+        feed(o, "m", tier="host")
+        feed(o, "b")
+        o.end_step(0)
+        m = info("m", nbytes=20, kind="exp_avg")
+        assert o.next_use("m", "device") == math.inf  # before settling: no device use recorded
+        assert o.settle(m, caps) == "device"
+        assert o.next_use("m", "device") == o.next_use("m", "host") < o.next_use("b", "device")
+        assert o.victim("device", [m, info("b", nbytes=30)]).id == "b"
+        feed(o, "a", step=1)
+        feed(o, "m", step=1)  # updated on the device, as settled
+        feed(o, "b", step=1)
+        o.end_step(1)  # the recording now has m's device use itself
+        assert o.next_use("m", "device") == o.next_use("m", "host") < o.next_use("b", "device")
+
+
 def events_for(groups_per_step: list[list[str]], steps: int) -> list[tuple]:
     events: list[tuple] = [("create", b, "param", 4096, None) for b in sorted({b for g in groups_per_step for b in g})]
     for _ in range(steps):

@@ -6,7 +6,9 @@ one whose future the recording knows goes first (for blocks not needed again: ce
 not merely unknown), then the clean one (a valid copy below means the eviction writes nothing).
 Blocks the recording does not know, or whose recorded uses often do not come true lately (routed
 experts), are predicted by ``fallback`` when there is one (``auto``); plain ``opt`` trusts the
-recording and evicts unknown blocks first, least recently used first.
+recording and evicts unknown blocks first, least recently used first. An optimizer state moved
+up by :meth:`Opt.settle` is expected on the device at its next use anywhere: its chunk's next
+update runs where the state is, though the recorded step updated it below.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class Opt(Policy):
         self._ws_extra = 0  # optimizer blocks homed on the device this step
         self._dev_now: set[str] = set()
         self._ws_now = 0
+        # States moved up by settle whose device use no complete step has recorded yet: their
+        # next update runs on the device, so their next use anywhere is their next device use.
+        self._settled: set[str] = set()
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:
@@ -58,6 +63,7 @@ class Opt(Policy):
         self._predicted.clear()
         self.follow.append(self.timeline.end_step())
         self._ws_max = max(self._ws_max, self._ws_now)
+        self._settled -= self._dev_now
         self._dev_now, self._ws_now, self._ws_extra = set(), 0, 0
 
     def predict(self, block_id: str, tier: str) -> tuple[float, bool]:
@@ -71,7 +77,7 @@ class Opt(Policy):
         return found
 
     def _predict(self, block_id: str, tier: str) -> tuple[float, bool]:
-        d = self.timeline.next_use(block_id, tier)
+        d = self.timeline.next_use(block_id, "*" if block_id in self._settled else tier)
         if self.fallback is not None and (d is None or not self.timeline.reliable(block_id)):
             return self.fallback.predicted(block_id), False  # the recording cannot say: ask hotness
         return (math.inf, False) if d is None else (float(d), True)
@@ -111,6 +117,8 @@ class Opt(Policy):
         if not self._fits_beside_working_set(block.nbytes, capacity):
             return None
         self._home_on_device(block)
+        self._settled.add(block.id)
+        self._predicted.pop((block.id, DEVICE), None)
         return DEVICE
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
