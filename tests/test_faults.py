@@ -192,12 +192,18 @@ def test_a_failed_read_of_a_settling_state_loses_nothing(tmp_path, monkeypatch) 
     """States settling on the device after a step may be read from NVMe, speculatively, after
     step() returned. A read that fails surfaces from the next runtime call, like a failed
     prefetch: the step that asked is complete, nothing is lost, and training goes on to match
-    eager PyTorch."""
+    eager PyTorch. (A policy that settles every state it is offered: the built-in ones home the
+    states on the device in the first step where they fit, leaving little to settle here.)"""
     from hetero import runtime as R
+    from hetero.policies import Auto
     from helpers import assert_same_model
 
+    class SettleAll(Auto):
+        def settle(self, block, capacity):
+            return "device" if block.kind in ("exp_avg", "exp_avg_sq") else None
+
     total = state_bytes(make())
-    model = hetero.wrap(make(), **budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB")
+    model = hetero.wrap(make(), **budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB", policy=SettleAll())
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     eager = make()
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -217,7 +223,7 @@ def test_a_failed_read_of_a_settling_state_loses_nothing(tmp_path, monkeypatch) 
     data = batches(6, seed=1)
     for i, b in enumerate(data):
         default_step(eager, eager_opt, b)
-        if i == 2:
+        if i == 0:  # the first settle: host memory has room to stage reads from NVMe
             monkeypatch.setattr(R.Runtime, "settle", failing_settle)
             default_step(model, opt, b)  # returns: the step is complete
             monkeypatch.setattr(R.Runtime, "settle", real_settle)

@@ -141,8 +141,9 @@ class Adam(torch.optim.Optimizer):
         """One update of every parameter with a gradient.
 
         With an NVMe tier (whose transfers can fail), the step is all or nothing: chunks whose
-        state must move are updated first inside a runtime transaction (each written block keeps
-        its previous copy as a shadow; the transfers of one chunk overlap the compute of another
+        state must move (or is new, except where it starts on the device beside the rest of its
+        chunk) are updated first inside a runtime transaction (each written block keeps its
+        previous copy as a shadow; the transfers of one chunk overlap the compute of another
         through the runtime's prefetch), and every transfer is then waited for. A failure there
         (HeteroIOError, or HeteroOOMError for want of room for shadows) restores every parameter,
         state and step count and propagates. Only once the transaction has committed are the
@@ -159,12 +160,13 @@ class Adam(torch.optim.Optimizer):
         rt = st.runtime
         groups = self._group_index()
         work = [(c, runs) for c in self._chunks() if (runs := self._runs(c, groups))]
+        updated = [c for c, _ in work]
         defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
         if NVME not in rt.tiers:  # nothing can fail half-way
             for (chunk, runs), ahead in _with_next(work):
                 self._step_chunk(chunk, runs, groups, shadow=False, defer=defer, ahead=ahead)
             st.end_step()
-            self._settle()
+            self._settle(updated)
             return loss
         steps = [(chunk, s, s.step) for chunk, _ in work for s in chunk.slots]
         txn = None
@@ -174,9 +176,20 @@ class Adam(torch.optim.Optimizer):
                     moving = [w for w in work if not self._in_place(w[0])]
                     if not moving:
                         break
+                    stepped = set()
                     for (chunk, runs), ahead in _with_next(moving):
+                        # A chunk in its first step whose new states start on the device beside
+                        # its parameters and gradient is in place: updated after the commit, it
+                        # needs no copies of its parameters in host memory, for which a small
+                        # host tier has no room when every chunk is new. (On the host such a
+                        # chunk is updated at once: waiting, its blocks get pushed out by the
+                        # chunks fetched meanwhile, and come back from NVMe.)
+                        self._create_states(chunk)
+                        if self._tier_for(chunk) == DEVICE and self._in_place(chunk):
+                            continue
                         self._step_chunk(chunk, runs, groups, shadow=True, ahead=ahead)
-                    work = [w for w in work if w not in moving]
+                        stepped.add(id(chunk))
+                    work = [w for w in work if id(w[0]) not in stepped]
                 # Every transfer still in flight, this step's or earlier ones (write-backs and
                 # prefetches of the backward), must have landed before the commit: the updates
                 # after it cannot be undone, so no failure may surface among them.
@@ -205,16 +218,26 @@ class Adam(torch.optim.Optimizer):
         finally:
             rt.set_prefetching(True)
         st.end_step()
-        self._settle()
+        self._settle(updated)
         return loss
 
-    def _settle(self) -> None:
+    def _settle(self, updated: list[Chunk]) -> None:
         """Now that a whole step has shown what the device must hold, let the states that fit
         there beside it move up (:meth:`Runtime.settle`): their chunks' next steps run on the
-        device and move nothing."""
-        self._state.runtime.settle([b for c in self._chunks() if _has_states(c)
+        device and move nothing. Only the states of chunks this step ``updated``: a chunk left
+        out (an expert the router did not pick) may stay out, and its states would take device
+        room for nothing."""
+        self._state.runtime.settle([b for c in updated if _has_states(c)
                                     for b in (c.blocks[EXP_AVG], c.blocks[EXP_AVG_SQ])
                                     if DEVICE not in b.tiers])
+
+    def _create_states(self, chunk: Chunk) -> None:
+        """Give ``chunk`` its Adam states (zero-filled, where the policy homes them) if it has
+        none yet: in its first step, or again after a rolled-back first step discarded them."""
+        for kind in (EXP_AVG, EXP_AVG_SQ):
+            block = chunk.add_block(kind, chunk.state_dtype)
+            if not block.tiers:
+                self._state.runtime.create(block)
 
     def _hint(self, chunk: Chunk) -> None:
         """Start fetching what ``chunk``'s step reads and writes to the tier it will be updated
@@ -230,10 +253,7 @@ class Adam(torch.optim.Optimizer):
         """Update ``chunk`` on the tier holding its optimizer states; once its blocks are there,
         fetching for the chunk updated next (``ahead``) starts."""
         rt = self._state.runtime
-        for kind in (EXP_AVG, EXP_AVG_SQ):
-            block = chunk.add_block(kind, chunk.state_dtype)
-            if not block.tiers:
-                rt.create(block)
+        self._create_states(chunk)
         tier = self._tier_for(chunk)
         master, grad, m, v = (chunk.full_precision, chunk.blocks[GRAD], chunk.blocks[EXP_AVG],
                               chunk.blocks[EXP_AVG_SQ])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .base import DEVICE, HOST, NVME, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
+from .base import DEVICE, HOST, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
 from .hotness import Hotness
 
 
@@ -35,6 +35,7 @@ class Opt(Policy):
         # and this step's so far, with the optimizer blocks given a device home in it.
         self._ws_max = 0
         self._ws_extra = 0  # optimizer blocks homed on the device this step
+        self._ws_grew = True  # the last complete step's working set exceeded every earlier one
         self._dev_now: set[str] = set()
         self._ws_now = 0
         # States moved up by settle whose device use no complete step has recorded yet: their
@@ -62,6 +63,7 @@ class Opt(Policy):
     def end_step(self, step: int) -> None:
         self._predicted.clear()
         self.follow.append(self.timeline.end_step())
+        self._ws_grew = self._ws_now > self._ws_max
         self._ws_max = max(self._ws_max, self._ws_now)
         self._settled -= self._dev_now
         self._dev_now, self._ws_now, self._ws_extra = set(), 0, 0
@@ -97,11 +99,9 @@ class Opt(Policy):
 
     def _fits_beside_working_set(self, nbytes: int, capacity: Mapping[str, int]) -> bool:
         """Whether ``nbytes`` more fit on the device beside its working set: the largest complete
-        step's distinct device bytes plus the optimizer blocks homed there since; without an
-        NVMe tier, the current step's so far if larger (see :meth:`home`)."""
-        ws = self._ws_max + self._ws_extra
-        if NVME not in capacity:  # no all-or-nothing step: the first step may count itself
-            ws = max(ws, self._ws_now)
+        step's distinct device bytes plus the optimizer blocks homed there since, or the current
+        step's so far if larger (the first step counts itself)."""
+        ws = max(self._ws_max + self._ws_extra, self._ws_now)
         return bool(ws) and ws + nbytes <= capacity.get(DEVICE, 0)
 
     def _home_on_device(self, block: BlockInfo) -> None:
@@ -110,9 +110,12 @@ class Opt(Policy):
 
     def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
         """An optimizer state below the device moves up where it fits beside the device working
-        set of a complete step, as :meth:`home` would have placed it had that step been known
-        (with NVMe, the first step does not count itself)."""
-        if block.kind not in OPTIMIZER_KINDS or not self._ws_max:
+        set of a complete step, as :meth:`home` would have placed it had that step been known,
+        and only after a step that did not grow that working set. While it grows (routed experts
+        picked for the first time), states moved up are pushed out again before their update.
+        The states settled for a step count into its working set, so each round of settling is
+        followed by a step that shows the working set it made before the next round is asked."""
+        if block.kind not in OPTIMIZER_KINDS or not self._ws_max or self._ws_grew:
             return None
         if not self._fits_beside_working_set(block.nbytes, capacity):
             return None
@@ -126,11 +129,10 @@ class Opt(Policy):
         where they cannot push out what every step needs there, so their chunk's update runs on
         the device and moves nothing. That is where they fit beside the device working set (the
         distinct bytes a step uses there, the largest complete step seen), or where the device
-        stays at least half free after them. With an NVMe tier, not by the first step's own
-        working set: every chunk is new in that all-or-nothing step, and each one updated on the
-        device needs a host slot for its parameters' pre-step copy, which a small host tier
-        cannot give to all of them at once (the step would lose its guarantee). Everything else
-        takes the fastest room."""
+        stays at least half free after them. (With an NVMe tier, a chunk in its first step whose
+        new states start on the device beside its parameters and gradient is updated there in
+        place, after the step's commit, so it needs no pre-step copies in host memory.)
+        Everything else takes the fastest room."""
         if block.kind in OPTIMIZER_KINDS:
             if (self._fits_beside_working_set(block.nbytes, capacity)
                     or free.get(DEVICE, 0) - block.nbytes >= capacity.get(DEVICE, 0) / 2):
