@@ -141,6 +141,9 @@ def print_table(results: list[dict]) -> None:
               f"{r['stall_seconds']:8.3f} {r['prefetch_hits']:8d}")
 
 
+YMAX = 2.0  # the plot's ratio axis ends here
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -158,12 +161,16 @@ def plot(results: list[dict], path: str) -> None:
             for k, p in enumerate(POLICIES):
                 ys = [next((r[key] or 1.0) for r in results if r["model"] == m and r["policy"] == p
                            and r["device_frac"] == f) for f in fracs]
-                ax.bar([i + k * width for i in range(len(fracs))], ys, width, label=p)
+                xs = [i + k * width for i in range(len(fracs))]
+                ax.bar(xs, ys, width, label=p)
+                for x, y in zip(xs, ys):  # bars above the axis: their value at the top
+                    if y > YMAX:
+                        ax.text(x, YMAX, f"{y:.1f}", rotation=90, ha="center", va="top", fontsize="x-small")
             ax.axhline(1.0, color="k", lw=0.8)
             ax.axhline(1.2 if m == "moe" else 1.05, color="r", lw=0.8, ls="--")
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(fracs))], [f"{f:.0%}" for f in fracs])
             ax.set_title(m)
-            ax.set_ylim(0.9, None)
+            ax.set_ylim(0.9, YMAX)
             if row == 2:
                 ax.set_xlabel("device budget (of state)")
         axes[row][0].set_ylabel(label)
