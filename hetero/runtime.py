@@ -422,10 +422,12 @@ class Runtime:
     def ensure_shadow(self, block: Block, tier: str) -> bool:
         """Inside a transaction, make sure a write of ``block`` on ``tier`` will keep an older copy:
         if its only copy is on ``tier``, copy it one tier down first (HeteroOOMError if there is
-        no room). False when there is no tier below to hold one."""
+        no room). False when there is no tier below to hold one. A block the transaction created
+        needs none: a rollback discards it."""
         assert self._txn is not None
         self.tracker.event("ensure_shadow", block.id, tier)
-        if block in self._txn.shadows or block.tiers - {tier} or not block.tiers:
+        if (block in self._txn.shadows or block in self._txn.created or block.tiers - {tier}
+                or not block.tiers):
             return True
         below = [t for t in TIER_ORDER[TIER_ORDER.index(tier) + 1:] if t in self.tiers]
         if not below:

@@ -283,6 +283,21 @@ def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> 
         assert cls().settle(m, caps) is None
 
 
+def test_opt_homes_first_step_states_on_the_device_beside_that_steps_working_set() -> None:
+    # With or without an NVMe tier, the first step counts itself: a chunk whose new states start
+    # on the device beside its parameters is updated in place, after the all-or-nothing step's
+    # commit, so it needs no host room for a copy of its parameters (see Adam.step).
+    for caps in ({"device": 100, "host": 1000}, {"device": 100, "host": 1000, "nvme": 10000}):
+        for policy in (Opt, Auto):
+            o = policy()
+            o.sizes = {"a": 30, "b": 30}
+            feed(o, "ab")  # the first step so far: 60 bytes on the device
+            free = {"device": 40, "host": 1000, "nvme": 10000}
+            assert o.home(info("m", nbytes=20, kind="exp_avg"), free, caps) == "device"  # 80
+            assert o.home(info("v", nbytes=20, kind="exp_avg_sq"), free, caps) == "device"  # 100
+            assert o.home(info("w", nbytes=20, kind="exp_avg"), free, caps) == "host"  # 120 > 100
+
+
 def test_a_settled_state_is_expected_on_the_device_at_its_next_update() -> None:
     # The recorded step updated m on the host; once m has settled on the device its chunk's next
     # update runs there, so its next device use is its next use anywhere, not "never" (which
@@ -307,6 +322,12 @@ def test_a_settled_state_is_expected_on_the_device_at_its_next_update() -> None:
         feed(o, "b", step=2)
         o.end_step(2)  # the recording now has m's device use itself
         assert o.next_use("m", "device") == o.next_use("m", "host") < o.next_use("b", "device")
+        feed(o, "a", step=3)
+        feed(o, "m", step=3, tier="host")  # pushed out after all: updated on the host again
+        feed(o, "b", step=3)
+        o.end_step(3)  # from here the recording alone says where m is used
+        if policy is Opt:
+            assert o.next_use("m", "device") == math.inf
 
 
 def events_for(groups_per_step: list[list[str]], steps: int) -> list[tuple]:

@@ -621,6 +621,24 @@ def test_data_is_never_corrupted_by_concurrent_transfers(seed, rig) -> None:
     invariants(rt)
 
 
+def test_a_block_created_in_a_transaction_needs_no_shadow(rig) -> None:
+    """A rollback discards the blocks a transaction created (an optimizer's new states), so
+    writing them keeps no older copy: nothing is copied below for them (found in review: every
+    first optimizer step wrote its zero-filled states to NVMe for nothing)."""
+    rt = rig(2, 2, 4)
+    s = TB("s", 1024)
+    rt.begin()
+    rt.create(s, tier=HOST)
+    assert rt.ensure_shadow(s, HOST)
+    assert s.tiers == {HOST} and rt.tracker.traffic["host->nvme"] == 0
+    rt.acquire([s], HOST, write=True)
+    rt.data(s, HOST).fill_(3.0)
+    rt.release([s], HOST)
+    assert rt._txn.complete
+    rt.rollback()
+    assert not s.tiers  # discarded, as every block the transaction created
+
+
 def test_a_hint_never_gives_up_a_transaction_shadow(rig) -> None:
     """Making room for a speculative fetch must not cost the transaction a shadow (found in review:
     the eviction's write-back below made room by dropping one)."""
