@@ -176,7 +176,7 @@ class Runtime:
             self._placing.discard(block)
         self._add_copy(block, first)
         if self._txn is not None:
-            self._txn.created.append(block)
+            self._txn.created[block] = None
         # The memory may still be in use by transfers out of the blocks that had it before: the
         # fill is an op that starts after them (and is undone with them if one fails).
         fill = self._issue(block, None, first, None, self.storage.loc(block, first), False, False, init)
@@ -842,7 +842,7 @@ class _Transaction:
 
     def __init__(self) -> None:
         self.shadows: dict[Block, tuple[str, Any]] = {}
-        self.created: list[Block] = []
+        self.created: dict[Block, None] = {}  # in creation order (a set that keeps it)
         self.lost: set[Block] = set()  # written, and no older copy kept: a rollback cannot undo them
 
     @property
