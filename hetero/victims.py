@@ -1,51 +1,78 @@
-"""Which block leaves a full tier: the policy's choice, ranked once between observations.
+"""Which block leaves a full tier: the policy's choice, from a ranking kept across evictions.
 
 Every eviction asks the policy for the best victim among the evictable blocks on a tier. Asking
 :meth:`Policy.victim <hetero.policies.base.Policy.victim>` weighs every block there each time,
 and a step evicts hundreds of times. A policy that ranks blocks by a key
-(:meth:`Policy.victim_key <hetero.policies.base.Policy.victim_key>`) lets the runtime sort a
-tier once and evict down the list until the policy's keys may change, at its next ``observe`` or
-``end_step``. Blocks whose key inputs changed in between (a copy added or dropped anywhere, which
-moves the block onto or off the tier or flips its "clean below" flag) are weighed afresh. So the
+(:meth:`Policy.victim_key <hetero.policies.base.Policy.victim_key>`) lets the runtime keep each
+tier sorted and evict from the top. The sorted order is kept until a key may have changed: a
+copy added or dropped (which moves the block onto or off the tier, or flips its "clean below"
+flag), or an observation or step end of the policy. After those, only the blocks the policy
+names (:meth:`Policy.changed_keys <hetero.policies.base.Policy.changed_keys>`) are weighed again
+and moved to their new place; a policy that cannot name them has the tier re-sorted. So the
 answer is always the same as asking ``victim`` over the same candidates; only the cost differs.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Callable, Iterable, Optional
 
 from .chunks import Block
 from .policies.base import BlockInfo, Policy
 
 
-class _Ranked:
-    __slots__ = ("epoch", "order", "changed")
+def _owner(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in c.__dict__)
 
-    def __init__(self, epoch: int, order: list[tuple[Any, Block]]) -> None:
-        self.epoch = epoch
-        self.order = order  # (key, block), best victim first
-        self.changed: set[Block] = set()  # key inputs changed since ranked: weighed afresh
+
+class _Ranked:
+    """One tier's blocks sorted by (key, id), best victim last; and those to weigh again."""
+
+    __slots__ = ("ranks", "entries", "stale")
+
+    def __init__(self, order: list[tuple[Any, Block]]) -> None:
+        order.sort(key=lambda e: e[0])
+        self.ranks: list[Any] = [k for k, _ in order]
+        self.entries: dict[str, tuple[Any, Block]] = {b.id: (k, b) for k, b in order}
+        self.stale: set[Block] = set()
+
+    def remove(self, block: Block) -> None:
+        entry = self.entries.pop(block.id, None)
+        if entry is not None:
+            del self.ranks[bisect.bisect_left(self.ranks, entry[0])]
+
+    def insert(self, rank: Any, block: Block) -> None:
+        bisect.insort(self.ranks, rank)
+        self.entries[block.id] = (rank, block)
 
 
 class Victims:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
+        cls = type(policy)
         # The key is only used where it decides alone: a policy that overrides victim() itself
         # (a subclass of a built-in) is asked every time.
-        self._keyed = type(policy).victim is Policy.victim
-        self._epoch = 0
+        self._keyed = cls.victim is Policy.victim
+        # The policy's list of changed keys is trusted only from the class that defines the key.
+        self._named = _owner(cls, "changed_keys") is _owner(cls, "victim_key")
         self._ranked: dict[str, _Ranked] = {}
 
     def invalidate(self) -> None:
         """The policy's keys may have changed (it observed an acquire, or a step ended)."""
-        self._epoch += 1
+        ids = self.policy.changed_keys() if self._named else None
+        if ids is None:
+            self._ranked.clear()
+            return
+        for r in self._ranked.values():
+            for i in ids:
+                entry = r.entries.get(i)
+                if entry is not None:
+                    r.stale.add(entry[1])
 
     def changed(self, block: Block) -> None:
-        """``block`` gained or lost a copy: re-weigh it on every tier it is on."""
-        for tier in block.tiers:
-            r = self._ranked.get(tier)
-            if r is not None and r.epoch == self._epoch:
-                r.changed.add(block)
+        """``block`` gained or lost a copy: weigh it again on every tier (or leave it out)."""
+        for r in self._ranked.values():
+            r.stale.add(block)
 
     def choose(self, tier: str, blocks: Iterable[Block], info: Callable[[Block], BlockInfo],
                eligible: Callable[[Block], bool]) -> Optional[Block]:
@@ -62,18 +89,18 @@ class Victims:
         # blocks are listed or stored in.
         rank = lambda b: (key(info(b)), b.id)  # noqa: E731
         r = self._ranked.get(tier)
-        if r is None or r.epoch != self._epoch:
-            order = [(rank(b), b) for b in blocks]
-            order.sort(key=lambda e: e[0], reverse=True)
-            r = self._ranked[tier] = _Ranked(self._epoch, order)
-        best: Optional[tuple[Any, Block]] = None
-        for k, b in r.order:
-            if b not in r.changed and tier in b.tiers and eligible(b):
-                best = (k, b)
-                break
-        for b in r.changed:
-            if tier in b.tiers and eligible(b):
-                k = rank(b)
-                if best is None or k > best[0]:
-                    best = (k, b)
-        return None if best is None else best[1]
+        if r is not None and 2 * len(r.stale) > len(r.entries):  # cheaper to sort afresh
+            r = None
+        if r is None:
+            r = self._ranked[tier] = _Ranked([(rank(b), b) for b in blocks])
+        for b in r.stale:
+            r.remove(b)
+            if tier in b.tiers:
+                r.insert(rank(b), b)
+        r.stale.clear()
+        entries = r.entries
+        for i in range(len(r.ranks) - 1, -1, -1):
+            b = entries[r.ranks[i][-1]][1]
+            if eligible(b):
+                return b
+        return None

@@ -19,7 +19,7 @@ import bisect
 import dataclasses
 import math
 import types
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
 TIER_ORDER = (DEVICE, HOST, NVME)
@@ -64,8 +64,16 @@ class Policy:
         """A ranking of blocks on ``tier`` as victims (largest first; ties go to the largest id),
         or None.
         Keys may change only in :meth:`observe` and :meth:`end_step`: in between, the runtime
-        sorts a tier once and evicts down the list (:mod:`hetero.victims`) instead of weighing
-        every block for every eviction. Used only where :meth:`victim` is this default."""
+        keeps each tier sorted and evicts down the list (:mod:`hetero.victims`) instead of
+        weighing every block for every eviction. Used only where :meth:`victim` is this default."""
+        return None
+
+    def changed_keys(self) -> Optional[Collection[str]]:
+        """Ids of the blocks whose :meth:`victim_key` may differ from what it was at the last
+        call (the runtime calls this after every :meth:`observe` and :meth:`end_step`), or None
+        if any block's may (the default). A policy that can name them spares the runtime a
+        re-sort of every tier per acquire: it re-weighs only those. Trusted only from the class
+        that defines :meth:`victim_key` (a subclass changing the key must override both)."""
         return None
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
@@ -129,6 +137,7 @@ class Timeline:
         self._hits: dict[str, float] = {}  # recorded uses that came true, per block (decayed)
         self._misses: dict[str, float] = {}  # recorded uses skipped (the step went another way)
         self.provisional = False  # ``recorded`` is the current step's forward mirrored, a guess
+        self.generation = 0  # recordings adopted so far: every prediction changes with one
         # next_use per (block, tier) as (valid while pos <= this, answer), both as positions in
         # the recording unrolled from ``pos`` (a position before ``pos`` counts from the next
         # step): an answer only changes once the current step has passed the block's next use.
@@ -136,6 +145,7 @@ class Timeline:
 
     def _adopt(self, recorded: list[tuple[str, str, int]], writes: set[int]) -> None:
         self.recorded, self._writes = recorded, writes
+        self.generation += 1
         self._next = {}
         self._index = {}
         for i, (b, t, _) in enumerate(self.recorded):

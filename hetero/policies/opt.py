@@ -41,11 +41,22 @@ class Opt(Policy):
         # States moved up by settle whose device use no complete step has recorded yet: their
         # next update runs on the device, so their next use anywhere is their next device use.
         self._settled: set[str] = set()
+        # Blocks whose victim key may have changed since changed_keys (None: any block's).
+        self._stale: Optional[set[str]] = None
+        self._guessed: set[str] = set()  # predicted by the fallback: their keys move every access
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:
         self._predicted.clear()
+        generation, start = self.timeline.generation, self.timeline.pos
         self.timeline.observe(blocks, tier, write)
+        if self.timeline.generation != generation:  # a provisional recording: all new
+            self._stale = None
+        elif self._stale is not None:
+            # Besides the blocks acquired, only those whose recorded use the step just passed
+            # (matched or skipped) have a new next use or a new record of hits and misses.
+            self._stale.update(blocks)
+            self._stale.update(b for b, _, _ in self.timeline.recorded[start:self.timeline.pos])
         if self.fallback is not None:
             self.fallback.observe(blocks, tier, step, seq, write)
         for i, b in enumerate(blocks):
@@ -67,6 +78,7 @@ class Opt(Policy):
         self._ws_max = max(self._ws_max, self._ws_now)
         self._settled -= self._dev_now
         self._dev_now, self._ws_now, self._ws_extra = set(), 0, 0
+        self._stale = None
 
     def predict(self, block_id: str, tier: str) -> tuple[float, bool]:
         """(accesses until ``block_id`` is next needed on ``tier``, whether the recording says
@@ -76,6 +88,8 @@ class Opt(Policy):
         found = self._predicted.get(key)
         if found is None:
             found = self._predicted[key] = self._predict(*key)
+        if not found[1] and self.fallback is not None:
+            self._guessed.add(block_id)
         return found
 
     def _predict(self, block_id: str, tier: str) -> tuple[float, bool]:
@@ -91,8 +105,25 @@ class Opt(Policy):
         """Furthest next use first; at equal distance the recording's prediction before a guess
         (so among blocks not needed again, those known to be rewritten elsewhere first before
         those nobody can predict: an expert not routed to yet may be next); then clean before
-        dirty, then least recently used."""
-        return lambda b: (*self.predict(b.id, tier), b.clean_below, -self._last.get(b.id, -1), b.id)
+        dirty, then least recently used. The next use is keyed by its position in the
+        recording rather than its distance, which shrinks for every block at every access: so
+        an access changes the keys of only the blocks :meth:`changed_keys` names."""
+        timeline = self.timeline
+
+        def key(b: BlockInfo) -> Any:
+            d, known = self.predict(b.id, tier)
+            return d + timeline.pos, known, b.clean_below, -self._last.get(b.id, -1), b.id
+        return key
+
+    def changed_keys(self) -> Optional[set[str]]:
+        """The blocks acquired or passed in the recording since the last call, and every block
+        the fallback predicts (a guess is a distance from now); None after a step's end or a
+        new provisional recording."""
+        stale = self._stale
+        if stale is not None:
+            stale |= self._guessed
+        self._stale, self._guessed = set(), set()
+        return stale
 
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
         return self.timeline.upcoming(groups)
