@@ -409,10 +409,13 @@ class Runtime:
         for block in blocks:
             if not self._fetchable(block, DEVICE):  # (also: not discarded, not on the device yet)
                 continue
-            if self.policy.settle(self._info(block), capacity) != DEVICE:
+            info = self._info(block)
+            if self.policy.settle(info, capacity) != DEVICE:
                 continue
             if not self._prefetch_one(block, DEVICE, math.inf):
-                return
+                return  # no free room: the blocks after it would not find any either
+            self.policy.settled(info, DEVICE)
+            self._victims.changed(block)  # its predicted use on the device may have changed
 
     def set_prefetching(self, on: bool) -> None:
         """Turn prefetch off (on) for the acquires that follow."""

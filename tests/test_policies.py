@@ -264,7 +264,11 @@ def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> 
     feed(o, "ab", step=1)
     o.end_step(1)
     assert o.settle(m, caps) == "device"  # 60 + 20 <= 100
-    assert o.settle(info("v", nbytes=20, kind="exp_avg_sq"), caps) == "device"  # 80 + 20
+    o.settled(m, "device")
+    v = info("v", nbytes=20, kind="exp_avg_sq")
+    assert o.settle(v, caps) == "device"  # 80 + 20
+    assert o.settle(v, caps) == "device"  # a move the runtime could not make takes no room
+    o.settled(v, "device")
     assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # 101 > 100
     feed(o, "abmv", step=2)  # the next step: a, b and the states settled for it, 100 bytes
     o.end_step(2)
@@ -281,6 +285,36 @@ def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> 
     assert o.settle(info("p", nbytes=1, kind="param"), caps) is None  # only optimizer states move
     for cls in (LRU, Hotness, Static):  # the other policies leave blocks where they are
         assert cls().settle(m, caps) is None
+
+
+def test_the_policy_hears_only_of_the_settles_the_runtime_made() -> None:
+    """Settling uses free room only: a move the runtime could not make is not reported as made
+    (Opt counts each settled state into the device working set it plans against)."""
+    s = 1024
+
+    class Spy(Auto):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked, self.made = [], []
+
+        def settle(self, block, capacity):
+            self.asked.append(block.id)
+            return "device"
+
+        def settled(self, block, tier):
+            super().settled(block, tier)
+            self.made.append(block.id)
+
+    create = lambda b, kind, tier: ("create", b, kind, s, tier)  # noqa: E731
+    catalog = {"a": ("param", s), "b": ("param", s), "m": ("exp_avg", s), "v": ("exp_avg_sq", s)}
+    for device, made in ((2 * s, []), (3 * s, ["m"])):  # full; then room for one of the two
+        events = [create("a", "param", "device"), create("b", "param", "device"),
+                  create("m", "exp_avg", "host"), create("v", "exp_avg_sq", "host"),
+                  ("end_step",), ("settle", ("m", "v"))]
+        spy = Spy()
+        res = replay(events, catalog, spy, {"device": device, "host": 8 * s}, s, 2)
+        assert res.oom is None and spy.made == made and spy.asked == ["m"] + ["v"][:len(made)]
+        assert res.traffic["host->device"] == len(made) * s
 
 
 def test_opt_homes_first_step_states_on_the_device_beside_that_steps_working_set() -> None:
@@ -315,6 +349,7 @@ def test_a_settled_state_is_expected_on_the_device_at_its_next_update() -> None:
         if policy is Opt:  # before settling: no device use recorded (auto asks hotness)
             assert o.next_use("m", "device") == math.inf
         assert o.settle(m, caps) == "device"
+        o.settled(m, "device")
         assert o.next_use("m", "device") == o.next_use("m", "host") < o.next_use("b", "device")
         assert o.victim("device", [m, info("b", nbytes=30)]).id == "b"
         feed(o, "a", step=2)

@@ -7,7 +7,8 @@ runtime (and the simulator, which is the same runtime over simulated storage) ca
 * :meth:`Policy.victim` (or the ranking of :meth:`Policy.victim_key`) to choose which unpinned
   block leaves a full tier;
 * :meth:`Policy.home` for the tier a new block starts on, and :meth:`Policy.settle` whether an
-  optimizer state below the device should move up after a step;
+  optimizer state below the device should move up after a step (:meth:`Policy.settled` once it
+  does);
 * :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order;
 
 and keeps :attr:`Policy.sizes` current (the bytes of every block it has created, by id).
@@ -86,8 +87,14 @@ class Policy:
     def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
         """The tier an existing block below the device should move up to now, or None (the
         default) to leave it: asked after each step for optimizer states, whose best home may
-        be known only once a step has shown what else the device must hold."""
+        be known only once a step has shown what else the device must hold. Called in turn for
+        each block offered, each answer followed by :meth:`settled` if the move could be made."""
         return None
+
+    def settled(self, block: BlockInfo, tier: str) -> None:
+        """The runtime started moving ``block`` up to ``tier`` as :meth:`settle` asked. Not
+        called where it could not (settling uses free room only), so a policy counting the
+        room its answers take counts only the moves made."""
 
     def next_use(self, block_id: str, tier: str) -> float:
         """Predicted accesses until ``block_id`` is next needed on ``tier`` (inf: not expected)."""

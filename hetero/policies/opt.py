@@ -150,10 +150,12 @@ class Opt(Policy):
             return None
         if not self._fits_beside_working_set(block.nbytes, capacity):
             return None
+        return DEVICE
+
+    def settled(self, block: BlockInfo, tier: str) -> None:
         self._home_on_device(block)
         self._settled.add(block.id)
         self._predicted.pop((block.id, DEVICE), None)
-        return DEVICE
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Optimizer states are used once a step (long reuse distance): they take the device only
