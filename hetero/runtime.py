@@ -415,7 +415,7 @@ class Runtime:
             if not self._prefetch_one(block, DEVICE, math.inf):
                 return  # no free room: the blocks after it would not find any either
             self.policy.settled(info, DEVICE)
-            self._victims.changed(block)  # its predicted use on the device may have changed
+            self._victims.invalidate()  # predicted uses on the device may have changed
 
     def set_prefetching(self, on: bool) -> None:
         """Turn prefetch off (on) for the acquires that follow."""

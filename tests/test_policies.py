@@ -365,6 +365,40 @@ def test_a_settled_state_is_expected_on_the_device_at_its_next_update() -> None:
             assert o.next_use("m", "device") == math.inf
 
 
+def test_the_blocks_a_settled_chunk_writes_are_expected_on_the_device_too() -> None:
+    # The recorded update wrote p (the chunk's parameters) and m together on the host, so p's
+    # device copy after the forward looks dead ("rewritten elsewhere first"). Once m has settled
+    # on the device the update runs there and writes p on the device: p must not be evicted
+    # after the forward as dead, and fetched back for the update.
+    caps = {"device": 100, "host": 1000, "nvme": 10000}
+    for policy in (Opt, Auto):
+        o = policy()
+        o.sizes = {"p": 30, "b": 30, "m": 20}
+
+        def step(n: int, update_tier: str) -> None:
+            feed(o, "pb", step=n)  # the forward and backward on the device
+            seq = _SEQ[id(o)]
+            o.observe(["p", "m"], update_tier, n, seq, write=True)  # the chunk's update
+            _SEQ[id(o)] = seq + 2
+
+        for n in (0, 1):
+            step(n, "host")
+            o.end_step(n)
+        feed(o, "p", step=2)
+        assert o.next_use("p", "device") == math.inf  # dead: the host update rewrites it first
+        m = info("m", nbytes=20, kind="exp_avg")
+        assert o.settle(m, caps) == "device"
+        o.settled(m, "device")
+        assert o.next_use("p", "device") == o.next_use("p", "host") == 1  # at the update: next but one
+        feed(o, "b", step=2)
+        seq = _SEQ[id(o)]
+        o.observe(["p", "m"], "device", 2, seq, write=True)  # updated on the device, as settled
+        _SEQ[id(o)] = seq + 2
+        o.end_step(2)  # from here the recording alone says where p is used
+        feed(o, "p", step=3)
+        assert o.next_use("p", "device") == 1
+
+
 def events_for(groups_per_step: list[list[str]], steps: int) -> list[tuple]:
     events: list[tuple] = [("create", b, "param", 4096, None) for b in sorted({b for g in groups_per_step for b in g})]
     for _ in range(steps):

@@ -168,3 +168,31 @@ def test_a_ranking_outlives_the_observations_of_a_step(policy, monkeypatch, chec
     # 23-28 sorts here (a step's end, and a tier whose blocks mostly changed, re-sort it);
     # re-sorting after every observation that precedes an eviction gives 71.
     assert checked["n"] > 200 and sorts["n"] <= 10 * steps
+
+
+def test_ranked_choices_match_the_policy_when_states_settle(tmp_path, checked) -> None:
+    """Settling changes a policy's keys between observations (``Opt.settled``: the settled
+    chunk's blocks are expected on the device): the rankings must hear of it. (A policy that
+    settles every state it is offered: the built-in ones settle nothing in a model this small.)"""
+    from helpers import budgets
+
+    class SettleAll(hetero.policies.Auto):
+        def settle(self, block, capacity):
+            return "device" if block.kind in ("exp_avg", "exp_avg_sq") else None
+
+    settled = {"n": 0}
+
+    class Counting(SettleAll):
+        def settled(self, block, tier):
+            super().settled(block, tier)
+            settled["n"] += 1
+
+    torch.manual_seed(0)
+    total = state_bytes(GPT())
+    torch.manual_seed(0)
+    model = hetero.wrap(GPT(), **budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB", policy=Counting())
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    for b in batches(5, seed=1):
+        default_step(model, opt, b)
+    model.close()
+    assert settled["n"] and checked["n"] > 50

@@ -64,14 +64,15 @@ class Policy:
     def victim_key(self, tier: str) -> Optional[Callable[[BlockInfo], Any]]:
         """A ranking of blocks on ``tier`` as victims (largest first; ties go to the largest id),
         or None.
-        Keys may change only in :meth:`observe` and :meth:`end_step`: in between, the runtime
+        Keys may change only in :meth:`observe`, :meth:`end_step` and :meth:`settled`: in between, the runtime
         keeps each tier sorted and evicts down the list (:mod:`hetero.victims`) instead of
         weighing every block for every eviction. Used only where :meth:`victim` is this default."""
         return None
 
     def changed_keys(self) -> Optional[Collection[str]]:
         """Ids of the blocks whose :meth:`victim_key` may differ from what it was at the last
-        call (the runtime calls this after every :meth:`observe` and :meth:`end_step`), or None
+        call (the runtime calls this after every :meth:`observe`, :meth:`end_step` and
+        :meth:`settled`), or None
         if any block's may (the default). A policy that can name them spares the runtime a
         re-sort of every tier per acquire: it re-weighs only those. Trusted only from the class
         that defines :meth:`victim_key` (a subclass changing the key must override both)."""
@@ -257,6 +258,20 @@ class Timeline:
             if p in self._writes:
                 return first, math.inf  # rewritten elsewhere before this copy is used again
         return first, None
+
+    def written_with(self, block: str) -> list[str]:
+        """The blocks the recording writes in the same acquire as ``block``, itself included (an
+        optimizer update writes its chunk's parameters and states together); [] if none."""
+        for p in self._index.get((block, "*"), []):
+            if p in self._writes:
+                group = self.recorded[p][2]
+                lo = hi = p
+                while lo > 0 and self.recorded[lo - 1][2] == group:
+                    lo -= 1
+                while hi + 1 < len(self.recorded) and self.recorded[hi + 1][2] == group:
+                    hi += 1
+                return [b for b, _, _ in self.recorded[lo:hi + 1]]
+        return []
 
     #: exact matches in a row needed before prefetching from the recording again
     LOCK = 8

@@ -7,8 +7,9 @@ not merely unknown), then the clean one (a valid copy below means the eviction w
 Blocks the recording does not know, or whose recorded uses often do not come true lately (routed
 experts), are predicted by ``fallback`` when there is one (``auto``); plain ``opt`` trusts the
 recording and evicts unknown blocks first, least recently used first. An optimizer state moved
-up by :meth:`Opt.settle` is expected on the device at its next use anywhere: its chunk's next
-update runs where the state is, though the recorded step updated it below.
+up by :meth:`Opt.settle` is expected on the device at its next use anywhere, and so are the
+blocks its chunk's update writes with it: that update runs where the state is, though the
+recorded step updated the chunk below.
 """
 
 from __future__ import annotations
@@ -153,9 +154,17 @@ class Opt(Policy):
         return DEVICE
 
     def settled(self, block: BlockInfo, tier: str) -> None:
+        """The chunk of a settled state is updated on the device from now on: the state, and
+        the blocks the recording writes with it (the chunk's parameters, which the recording
+        shows rewritten on the host, so their device copies as dead), are expected on the
+        device at their next use anywhere."""
         self._home_on_device(block)
-        self._settled.add(block.id)
-        self._predicted.pop((block.id, DEVICE), None)
+        moved = {block.id, *self.timeline.written_with(block.id)}
+        self._settled |= moved
+        for b in moved:
+            self._predicted.pop((b, DEVICE), None)
+        if self._stale is not None:
+            self._stale |= moved
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Optimizer states are used once a step (long reuse distance): they take the device only
