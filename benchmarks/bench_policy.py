@@ -15,8 +15,14 @@ settle states on the device after a step), its own run accesses differently from
 log, which the replay follows as recorded. ``ws`` is the largest device working set of a step (distinct bytes
 acquired on the device) over the budget: above 1 the budget is below the working set.
 
+With ``--seeds N`` each cell pools N runs (model initialization and data from seeds 0..N-1):
+bytes, bounds, misses and stalls are summed over the seeds before any ratio is taken. A routed
+model's transient (which experts the router picks first, and when) differs from seed to seed,
+and over a dozen steps the whole device traffic of a wide budget is a few of those picks.
+
     python benchmarks/bench_policy.py                # full table, writes benchmarks/policy.png
     python benchmarks/bench_policy.py --quick        # fewer steps and budgets
+    python benchmarks/bench_policy.py --models moe --seeds 4 --steps 24 --plot moe.png
     python benchmarks/bench_policy.py --json out.json
 """
 
@@ -50,18 +56,20 @@ MODELS = {
 
 
 def run(cfg: GPTConfig, policy: str, device_frac: float, host_frac: float | None, steps: int,
-        chunk: str, swap_dir: str | None, batch: tuple[int, int] | None = None) -> hetero.Report:
+        chunk: str, swap_dir: str | None, batch: tuple[int, int] | None = None,
+        seed: int = 0) -> hetero.Report:
     """The report of ``steps`` training steps of a GPT under these budgets (fractions of its
     training state; ``host_frac`` None: no host budget and no swap) on batches of ``batch``
-    (sequences, tokens; default 8 x the model's block size)."""
-    torch.manual_seed(0)
+    (sequences, tokens; default 8 x the model's block size); ``seed`` picks the model's
+    initialization and the data."""
+    torch.manual_seed(seed)
     model = GPT(cfg)
     total = state_bytes(model)
     tiers = {} if host_frac is None else dict(host_budget=int(total * host_frac), nvme_path=swap_dir)
     wrapped = hetero.wrap(model, device="cpu", device_budget=int(total * device_frac), chunk_size=chunk,
                           policy=policy, **tiers)
     opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    data = MarkovData(cfg.vocab_size, seed=1)
+    data = MarkovData(cfg.vocab_size, seed=seed + 1)
     b, t = batch or (8, cfg.block_size)
     for _ in range(steps):
         x, y = data.batch(b, t)
@@ -79,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.10, 0.25, 0.50])
     ap.add_argument("--host", type=float, default=0.30, help="host budget, fraction of the state")
     ap.add_argument("--chunk-size", default="16KiB")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--seeds", type=int, default=1, help="runs pooled per cell (seeds 0..N-1)")
     ap.add_argument("--quick", action="store_true", help="6 steps, 25%% budget only")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "policy.png"))
@@ -86,11 +96,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps, args.budgets = 6, [0.25]
     results = []
-    cases = [(m, b) for m in MODELS for b in args.budgets]
+    cases = [(m, b, seed) for m in args.models for b in args.budgets for seed in range(args.seeds)]
+    cells: dict[tuple[str, float, str], dict] = {}
     with tempfile.TemporaryDirectory(prefix="hetero-bench-") as swap:
-        for model_name, frac in tqdm(cases, desc="policy benchmark"):
+        for model_name, frac, seed in tqdm(cases, desc="policy benchmark"):
             cfg = MODELS[model_name]
-            real = {p: run(cfg, p, frac, args.host, args.steps, args.chunk_size, swap) for p in POLICIES}
+            real = {p: run(cfg, p, frac, args.host, args.steps, args.chunk_size, swap, seed=seed)
+                    for p in POLICIES}
             log = real["auto"]  # the recorded access log every policy is replayed on
             bound = log.belady_bound()
             tight = log.coresident_bound()
@@ -99,24 +111,34 @@ def main(argv: list[str] | None = None) -> dict:
                 sim = log.simulate(p)
                 d = real[p].as_dict()
                 own = tight if real[p] is log else real[p].coresident_bound()  # auto's: computed above
-                results.append({
-                    "model": model_name, "device_frac": frac, "policy": p, "bound_bytes": bound,
-                    "coresident_bytes": tight, "working_set": ws,
-                    "sim_device_bytes": sim.device_fetch_bytes, "sim_misses": sim.misses,
-                    "ratio": sim.device_fetch_bytes / bound if bound else None,
-                    "ratio_coresident": sim.device_fetch_bytes / tight if tight else None,
-                    "real_device_bytes": d["traffic"]["host->device"], "real_coresident_bytes": own,
-                    "ratio_real": d["traffic"]["host->device"] / own if own else None,
-                    "real_nvme_bytes": d["traffic"]["nvme->host"] + d["traffic"]["host->nvme"],
-                    "stall_seconds": d["stall_seconds"], "prefetch_hits": d["prefetch"]["hits"],
-                    "oom": sim.oom,
-                })
+                cell = cells.setdefault((model_name, frac, p), {
+                    "model": model_name, "device_frac": frac, "policy": p, "seeds": 0, "working_set": 0.0,
+                    "oom": None, **{k: 0 for k in _SUMMED}})
+                cell["seeds"] += 1
+                cell["working_set"] = max(cell["working_set"], ws)
+                cell["oom"] = cell["oom"] or sim.oom
+                for k, v in {"bound_bytes": bound, "coresident_bytes": tight,
+                             "sim_device_bytes": sim.device_fetch_bytes, "sim_misses": sim.misses,
+                             "real_device_bytes": d["traffic"]["host->device"], "real_coresident_bytes": own,
+                             "real_nvme_bytes": d["traffic"]["nvme->host"] + d["traffic"]["host->nvme"],
+                             "stall_seconds": d["stall_seconds"], "prefetch_hits": d["prefetch"]["hits"]}.items():
+                    cell[k] += v
+    for r in cells.values():
+        r["ratio"] = r["sim_device_bytes"] / r["bound_bytes"] if r["bound_bytes"] else None
+        r["ratio_coresident"] = r["sim_device_bytes"] / r["coresident_bytes"] if r["coresident_bytes"] else None
+        r["ratio_real"] = r["real_device_bytes"] / r["real_coresident_bytes"] if r["real_coresident_bytes"] else None
+        results.append(r)
     print_table(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     plot(results, args.plot)
     return {"results": results}
+
+
+# Per-cell figures summed over the seeds (the ratios are taken of the sums).
+_SUMMED = ("bound_bytes", "coresident_bytes", "sim_device_bytes", "sim_misses", "real_device_bytes",
+           "real_coresident_bytes", "real_nvme_bytes", "stall_seconds", "prefetch_hits")
 
 
 def working_set(events: list[tuple], catalog: dict) -> int:
