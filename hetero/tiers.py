@@ -86,6 +86,7 @@ class SlotPool:
     def __init__(self, nslots: int, slot_size: int) -> None:
         self.slot_size = slot_size
         self.owner: list[Optional[object]] = [None] * nslots
+        self._low = 0  # no slot below this one is free: first fit starts looking here
 
     def slots_for(self, nbytes: int) -> int:
         return slots_for(nbytes, self.slot_size)
@@ -93,13 +94,21 @@ class SlotPool:
     def alloc(self, nbytes: int, owner: object) -> Optional[int]:
         """Byte offset of ``slots_for(nbytes)`` free contiguous slots now owned by ``owner``."""
         n = self.slots_for(nbytes)
-        run = 0
-        for i, o in enumerate(self.owner):
-            run = run + 1 if o is None else 0
+        owners = self.owner
+        run, first = 0, None
+        for i in range(self._low, len(owners)):
+            if owners[i] is not None:
+                run = 0
+                continue
+            if first is None:
+                first = i
+            run += 1
             if run == n:
                 start = i - n + 1
-                self.owner[start:i + 1] = [owner] * n
+                owners[start:i + 1] = [owner] * n
+                self._low = i + 1 if start == first else first
                 return start * self.slot_size
+        self._low = len(owners) if first is None else first
         return None
 
     def free(self, offset: int, nbytes: int) -> None:
@@ -108,6 +117,7 @@ class SlotPool:
         owners = self.owner[start:start + n]
         assert owners and owners[0] is not None and all(o is owners[0] for o in owners), "bad free"
         self.owner[start:start + n] = [None] * n
+        self._low = min(self._low, start)
 
     def take(self, offset: int, nbytes: int, owner: object) -> None:
         """Give the (free) slots at ``offset`` to ``owner`` again: undoing a free."""

@@ -12,15 +12,29 @@ from hetero.policies import LRU, BlockInfo
 from hetero.tiers import SlotPool, Tier
 
 
+def _first_fit(owners: list, n: int):
+    """Reference first fit: the lowest slot starting ``n`` free slots, or None."""
+    return next((i for i in range(len(owners) - n + 1) if all(o is None for o in owners[i:i + n])), None)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=80))
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "take"]), st.integers(1, 40)), max_size=80))
 def test_slot_pool_never_overlaps_and_frees(ops) -> None:
     pool = SlotPool(16, 10)  # 16 slots of 10 bytes
     live: dict[int, tuple[int, object]] = {}
-    for do_alloc, n in ops:
-        if do_alloc or not live:
+    for op, n in ops:
+        if op == "take":  # undo a free: take a free run back at a given place
+            start = _first_fit(pool.owner[::-1], pool.slots_for(n))  # (the highest free run)
+            if start is None:
+                continue
+            off = (16 - start - pool.slots_for(n)) * 10
+            pool.take(off, n, owner := object())
+            live[off] = (n, owner)
+        elif op == "alloc" or not live:
             owner = object()
+            want = _first_fit(pool.owner, pool.slots_for(n))
             off = pool.alloc(n, owner)
+            assert off == (None if want is None else want * 10)  # first fit, whatever came before
             if off is None:
                 continue
             assert off % 10 == 0 and off + pool.slots_for(n) * 10 <= 160
