@@ -309,6 +309,13 @@ int IOEngine::open(const std::string& path, int64_t size, bool direct, bool prea
 }
 
 void IOEngine::close(int fd) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = fd_busy_.find(fd);
+    if (it != fd_busy_.end() && it->second > 0)
+      throw IOFailure(EBUSY, "close: " + std::to_string(it->second) +
+                                 " request(s) on this file are still in flight");
+  }
   if (checksum_) {
     std::lock_guard<std::mutex> lk(csum_mu_);
     csums_.erase(fd);
@@ -363,6 +370,7 @@ int64_t IOEngine::submit(bool write, int fd, const at::Tensor& tensor, int64_t o
       r->done = true;
       return h;
     }
+    ++fd_busy_[fd];
     pending_.push_back(std::move(r));
   }
   if (kind_ == Kind::kThreads) work_cv_.notify_one();
@@ -509,6 +517,7 @@ void IOEngine::finish_request(Request& r) {
                                  r.transferred, r.why);
   {
     std::lock_guard<std::mutex> lk(mu_);
+    if (--fd_busy_[r.fd] == 0) fd_busy_.erase(r.fd);
     r.done = true;
   }
   done_cv_.notify_all();

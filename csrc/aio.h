@@ -79,6 +79,8 @@ class IOEngine {
   // retry buffered; any other failure throws IOFailure (a file this call created is removed).
   int open(const std::string& path, int64_t size, bool direct, bool preallocate = true,
            std::string* note = nullptr);
+  // Throws IOFailure(EBUSY) while requests on `fd` are not done: workers would otherwise
+  // pread/pwrite a closed descriptor, or whatever file reuses its number.
   void close(int fd);
 
   // Queue a pwrite/pread of all of `tensor`'s bytes at `offset`; returns a handle for wait/poll.
@@ -186,6 +188,7 @@ class IOEngine {
   bool stopping_ = false;
   bool stopped_ = false;
   int busy_ = 0;  // threads: chunks being transferred
+  std::unordered_map<int, int> fd_busy_;  // fd -> requests submitted on it and not done
   std::mutex threads_mu_;  // guards threads_
   std::vector<std::thread> threads_;
 

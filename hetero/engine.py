@@ -602,7 +602,8 @@ class SwapIO:
         return Handle(self._engine, handle_id, file, tensor, "write" if write else "read")
 
     def close(self, file: SwapFile) -> None:
-        """Close ``file``; its transfers must have been waited."""
+        """Close ``file``: HeteroIOError (EBUSY) while transfers on it are still running (a
+        worker would read or write a closed descriptor, or a file reusing its number)."""
         try:
             self._engine.close(file.fd)
         except OSError as e:
@@ -705,6 +706,7 @@ class _PyIOEngine:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hetero-io")
         self._lock = threading.Lock()
         self._futures: dict[int, Future[None]] = {}
+        self._fds: dict[int, int] = {}  # handle -> the file it reads or writes
         self._next = 1
         self.checksum = checksum
         self._csums = _Checksums()
@@ -754,6 +756,10 @@ class _PyIOEngine:
         return fd
 
     def close(self, fd: int) -> None:
+        with self._lock:
+            busy = sum(1 for h, f in self._futures.items() if self._fds[h] == fd and not f.done())
+        if busy:
+            raise OSError(errno.EBUSY, f"close: {busy} request(s) on this file are still in flight")
         self._csums.forget_fd(fd)
         os.close(fd)
 
@@ -792,11 +798,14 @@ class _PyIOEngine:
         with self._lock:
             handle, self._next = self._next, self._next + 1
             self._futures[handle] = future
+            self._fds[handle] = fd
         return handle
 
     def _future(self, handle: int, pop: bool) -> Future[None]:
         with self._lock:
             future = self._futures.pop(handle, None) if pop else self._futures.get(handle)
+            if pop:
+                self._fds.pop(handle, None)
         if future is None:
             raise ValueError(f"unknown or already waited I/O handle {handle}")
         return future

@@ -258,6 +258,22 @@ def test_open_and_close_errors_are_hetero_io_errors(io, tmp_path):
         io.close(f)
 
 
+def test_a_file_with_transfers_in_flight_is_not_closed(io, tmp_path):
+    """Closing a swap file whose transfers still run fails with EBUSY (workers would read or
+    write a closed descriptor, or a file that reuses its number); once they are waited it closes."""
+    n, size = 16, 8 << 20  # 128 MiB: far longer to write than a close call takes
+    f = io.open(tmp_path / "busy.bin", n * size)
+    buf = engine.aligned_empty(size)
+    buf.fill_(7)
+    handles = [io.write(f, i * size, buf) for i in range(n)]
+    with pytest.raises(HeteroIOError) as info:
+        io.close(f)
+    assert info.value.errno == errno.EBUSY and "in flight" in str(info.value)
+    for h in handles:
+        h.wait()
+    io.close(f)
+
+
 def test_each_backend_handle_is_waited_once(io, tmp_path):
     f = io.open(tmp_path / "once.bin", PAGE)
     handle_id = io._engine.submit_write(f.fd, engine.aligned_empty(PAGE), 0)
