@@ -83,7 +83,8 @@ class Runtime:
         self.policy = policy
         self._victims = Victims(policy)
         self._sizes: dict[str, int] = {}
-        policy.sizes = self._sizes
+        self._kinds: dict[str, str] = {}
+        policy.sizes, policy.kinds = self._sizes, self._kinds
         self.storage = storage
         self.prefetch_depth = prefetch
         self.tracker = Tracker()
@@ -164,6 +165,7 @@ class Runtime:
         assert not block.tiers, f"{block} already exists"
         self._blocks[block.id] = block
         self._sizes[block.id] = block.nbytes
+        self._kinds[block.id] = block.kind
         self.tracker.event("create", block.id, block.kind, block.nbytes, tier)
         if tier is None:
             tier = self.policy.home(self._info(block), self.free_bytes(),

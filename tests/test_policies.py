@@ -287,6 +287,23 @@ def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> 
         assert cls().settle(m, caps) is None
 
 
+def test_the_device_working_set_leaves_gradients_out() -> None:
+    # A gradient is on the device from its backward to its chunk's update only, and leaves at
+    # the update where that runs on the host: the room it takes in between is no reason to keep
+    # Adam states (and with them the chunk's update) off the device.
+    caps = {"device": 100, "host": 1000}
+    for policy in (Opt, Auto):
+        o = policy()
+        o.sizes = {"a": 30, "b": 30, "ga": 30}
+        o.kinds = {"a": "param", "b": "param", "ga": "grad"}
+        feed(o, "abba")  # forward and backward
+        o.observe(["ga"], "device", 0, 99, write=True)  # the backward writes a's gradient
+        free = {"device": 10, "host": 1000}
+        assert o.home(info("m", nbytes=20, kind="exp_avg"), free, caps) == "device"  # 60 + 20
+        assert o.home(info("v", nbytes=20, kind="exp_avg_sq"), free, caps) == "device"  # 80 + 20
+        assert o.home(info("w", nbytes=20, kind="exp_avg"), free, caps) == "host"  # 120 > 100
+
+
 def test_the_policy_hears_only_of_the_settles_the_runtime_made() -> None:
     """Settling uses free room only: a move the runtime could not make is not reported as made
     (Opt counts each settled state into the device working set it plans against)."""
@@ -315,6 +332,8 @@ def test_the_policy_hears_only_of_the_settles_the_runtime_made() -> None:
         res = replay(events, catalog, spy, {"device": device, "host": 8 * s}, s, 2)
         assert res.oom is None and spy.made == made and spy.asked == ["m"] + ["v"][:len(made)]
         assert res.traffic["host->device"] == len(made) * s
+        assert dict(spy.kinds) == {b: kind for b, (kind, _) in catalog.items()}  # kept by the runtime
+        assert dict(spy.sizes) == {b: n for b, (_, n) in catalog.items()}
 
 
 def test_opt_homes_first_step_states_on_the_device_beside_that_steps_working_set() -> None:

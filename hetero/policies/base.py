@@ -11,7 +11,8 @@ runtime (and the simulator, which is the same runtime over simulated storage) ca
   does);
 * :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order;
 
-and keeps :attr:`Policy.sizes` current (the bytes of every block it has created, by id).
+and keeps :attr:`Policy.sizes` and :attr:`Policy.kinds` current (the bytes and kind of every
+block it has created, by id).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import types
 from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
+GRAD = "grad"
 TIER_ORDER = (DEVICE, HOST, NVME)
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -44,6 +46,8 @@ class Policy:
 
     #: bytes of every block the runtime has created, by id (the runtime sets and updates it)
     sizes: Mapping[str, int] = types.MappingProxyType({})
+    #: kind of every block the runtime has created, by id ("param", "grad", "exp_avg", ...)
+    kinds: Mapping[str, str] = types.MappingProxyType({})
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:

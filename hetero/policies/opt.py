@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .base import DEVICE, HOST, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
+from .base import DEVICE, GRAD, HOST, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
 from .hotness import Hotness
 
 
@@ -32,8 +32,8 @@ class Opt(Policy):
         # predict() per (block, tier) since the last observe/end_step, the only calls that change
         # a prediction: every eviction asks about all candidates, often at the same position.
         self._predicted: dict[tuple[str, str], tuple[float, bool]] = {}
-        # Distinct bytes the step uses on the device (see home): the largest completed step's,
-        # and this step's so far, with the optimizer blocks given a device home in it.
+        # Distinct bytes the step uses on the device, gradients left out (see home): the largest
+        # completed step's, and this step's so far, with the optimizer blocks homed there.
         self._ws_max = 0
         self._ws_extra = 0  # optimizer blocks homed on the device this step
         self._ws_grew = True  # the last complete step's working set exceeded every earlier one
@@ -67,8 +67,10 @@ class Opt(Policy):
                 self._use_device(b, self.sizes.get(b, 0))
 
     def _use_device(self, block_id: str, nbytes: int) -> None:
-        """Count ``block_id`` into the distinct bytes this step uses on the device."""
-        if block_id not in self._dev_now:
+        """Count ``block_id`` into the distinct bytes this step uses on the device. Not a
+        gradient: it lives there only from its backward to its chunk's update (zero_grad drops
+        it), and where that update runs on the host it leaves at the update."""
+        if block_id not in self._dev_now and self.kinds.get(block_id) != GRAD:
             self._dev_now.add(block_id)
             self._ws_now += nbytes
 
@@ -170,7 +172,9 @@ class Opt(Policy):
         """Optimizer states are used once a step (long reuse distance): they take the device only
         where they cannot push out what every step needs there, so their chunk's update runs on
         the device and moves nothing. That is where they fit beside the device working set (the
-        distinct bytes a step uses there, the largest complete step seen), or where the device
+        distinct bytes a step uses there, the largest complete step seen, gradients left out: a
+        chunk whose states are on the device trades its gradient's write-back and its
+        parameters' fetch, every step, for their room), or where the device
         stays at least half free after them. (With an NVMe tier, a chunk in its first step whose
         new states start on the device beside its parameters and gradient is updated there in
         place, after the step's commit, so it needs no pre-step copies in host memory.)
