@@ -58,7 +58,8 @@ class Victims:
         self._ranked: dict[str, _Ranked] = {}
 
     def invalidate(self) -> None:
-        """The policy's keys may have changed (it observed an acquire, or a step ended)."""
+        """The policy's keys may have changed (it observed an acquire, a step ended, or a state
+        settled)."""
         ids = self.policy.changed_keys() if self._named else None
         if ids is None:
             self._ranked.clear()

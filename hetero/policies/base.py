@@ -68,18 +68,19 @@ class Policy:
     def victim_key(self, tier: str) -> Optional[Callable[[BlockInfo], Any]]:
         """A ranking of blocks on ``tier`` as victims (largest first; ties go to the largest id),
         or None.
-        Keys may change only in :meth:`observe`, :meth:`end_step` and :meth:`settled`: in between, the runtime
-        keeps each tier sorted and evicts down the list (:mod:`hetero.victims`) instead of
-        weighing every block for every eviction. Used only where :meth:`victim` is this default."""
+        Keys may change only in :meth:`observe`, :meth:`end_step` and :meth:`settled`: in
+        between, the runtime keeps each tier sorted and evicts down the list
+        (:mod:`hetero.victims`) instead of weighing every block for every eviction. Used only
+        where :meth:`victim` is this default."""
         return None
 
     def changed_keys(self) -> Optional[Collection[str]]:
         """Ids of the blocks whose :meth:`victim_key` may differ from what it was at the last
         call (the runtime calls this after every :meth:`observe`, :meth:`end_step` and
-        :meth:`settled`), or None
-        if any block's may (the default). A policy that can name them spares the runtime a
-        re-sort of every tier per acquire: it re-weighs only those. Trusted only from the class
-        that defines :meth:`victim_key` (a subclass changing the key must override both)."""
+        :meth:`settled`), or None if any block's may (the default). A policy that can name them
+        spares the runtime a re-sort of every tier per acquire: it re-weighs only those.
+        Trusted only from the class that defines :meth:`victim_key` (a subclass changing the
+        key must override both)."""
         return None
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:

@@ -30,7 +30,8 @@ class Opt(Policy):
         self._last: dict[str, int] = {}
         self.follow: list[tuple[int, int]] = []  # (matched, seen) accesses per completed step
         # predict() per (block, tier) since the last observe/end_step, the only calls that change
-        # a prediction: every eviction asks about all candidates, often at the same position.
+        # a prediction (settled drops the entries it changes): every eviction asks about all
+        # candidates, often at the same position.
         self._predicted: dict[tuple[str, str], tuple[float, bool]] = {}
         # Distinct bytes the step uses on the device, gradients left out (see home): the largest
         # completed step's, and this step's so far, with the optimizer blocks homed there.
@@ -157,9 +158,9 @@ class Opt(Policy):
 
     def settled(self, block: BlockInfo, tier: str) -> None:
         """The chunk of a settled state is updated on the device from now on: the state, and
-        the blocks the recording writes with it (the chunk's parameters, which the recording
-        shows rewritten on the host, so their device copies as dead), are expected on the
-        device at their next use anywhere."""
+        the blocks the recording writes with it (the chunk's parameters: the recording rewrites
+        them on the host, so their device copies would look dead), are expected on the device
+        at their next use anywhere."""
         self._home_on_device(block)
         moved = {block.id, *self.timeline.written_with(block.id)}
         self._settled |= moved
