@@ -17,6 +17,15 @@ OPTIMIZERS = {
 }
 
 
+class SettleAll(hetero.policies.Auto):
+    """``auto``, except that it settles every Adam state it is offered onto the device: the
+    built-in policies home states on the device in the first step where they fit, which leaves
+    nothing to settle in the tests' small models."""
+
+    def settle(self, block, capacity):
+        return "device" if block.kind in ("exp_avg", "exp_avg_sq") else None
+
+
 def budgets(total: int, device: float | None, host: float | None, nvme_path: Any = None) -> dict:
     """wrap() kwargs giving the device and host tiers the given fractions of ``total`` bytes."""
     kw: dict[str, Any] = {"device": "cpu"}

@@ -195,12 +195,7 @@ def test_a_failed_read_of_a_settling_state_loses_nothing(tmp_path, monkeypatch) 
     eager PyTorch. (A policy that settles every state it is offered: the built-in ones home the
     states on the device in the first step where they fit, leaving little to settle here.)"""
     from hetero import runtime as R
-    from hetero.policies import Auto
-    from helpers import assert_same_model
-
-    class SettleAll(Auto):
-        def settle(self, block, capacity):
-            return "device" if block.kind in ("exp_avg", "exp_avg_sq") else None
+    from helpers import SettleAll, assert_same_model
 
     total = state_bytes(make())
     model = hetero.wrap(make(), **budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB", policy=SettleAll())

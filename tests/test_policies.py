@@ -673,11 +673,7 @@ def test_settled_optimizer_states_train_like_eager_and_replay(tmp_path, monkeypa
     settles every state it is offered: the built-in ones home states on the device in the
     first step where they fit, which leaves nothing to settle in a model this small.)"""
     from hetero import runtime as R
-    from helpers import assert_same_model, assert_within_budgets, budgets, train_pair
-
-    class SettleAll(Auto):
-        def settle(self, block, capacity):
-            return "device" if block.kind in ("exp_avg", "exp_avg_sq") else None
+    from helpers import SettleAll, assert_same_model, assert_within_budgets, budgets, train_pair
 
     def make() -> GPT:
         torch.manual_seed(0)

@@ -174,11 +174,7 @@ def test_ranked_choices_match_the_policy_when_states_settle(tmp_path, checked) -
     """Settling changes a policy's keys between observations (``Opt.settled``: the settled
     chunk's blocks are expected on the device): the rankings must hear of it. (A policy that
     settles every state it is offered: the built-in ones settle nothing in a model this small.)"""
-    from helpers import budgets
-
-    class SettleAll(hetero.policies.Auto):
-        def settle(self, block, capacity):
-            return "device" if block.kind in ("exp_avg", "exp_avg_sq") else None
+    from helpers import SettleAll, budgets
 
     settled = {"n": 0}
 
