@@ -705,8 +705,7 @@ class _PyIOEngine:
             raise ValueError("IOEngine needs num_threads >= 1")
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hetero-io")
         self._lock = threading.Lock()
-        self._futures: dict[int, Future[None]] = {}
-        self._fds: dict[int, int] = {}  # handle -> the file it reads or writes
+        self._futures: dict[int, tuple[Future[None], int]] = {}  # handle -> (future, its file)
         self._next = 1
         self.checksum = checksum
         self._csums = _Checksums()
@@ -757,7 +756,7 @@ class _PyIOEngine:
 
     def close(self, fd: int) -> None:
         with self._lock:
-            busy = sum(1 for h, f in self._futures.items() if self._fds[h] == fd and not f.done())
+            busy = sum(1 for f, f_fd in self._futures.values() if f_fd == fd and not f.done())
         if busy:
             raise OSError(errno.EBUSY, f"close: {busy} request(s) on this file are still in flight")
         self._csums.forget_fd(fd)
@@ -797,18 +796,15 @@ class _PyIOEngine:
         future = self._pool.submit(self._transfer, write, fd, buf, offset, fault)
         with self._lock:
             handle, self._next = self._next, self._next + 1
-            self._futures[handle] = future
-            self._fds[handle] = fd
+            self._futures[handle] = (future, fd)
         return handle
 
     def _future(self, handle: int, pop: bool) -> Future[None]:
         with self._lock:
-            future = self._futures.pop(handle, None) if pop else self._futures.get(handle)
-            if pop:
-                self._fds.pop(handle, None)
-        if future is None:
+            entry = self._futures.pop(handle, None) if pop else self._futures.get(handle)
+        if entry is None:
             raise ValueError(f"unknown or already waited I/O handle {handle}")
-        return future
+        return entry[0]
 
     def wait(self, handle: int) -> None:
         self._future(handle, pop=True).result()
