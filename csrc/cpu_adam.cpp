@@ -31,7 +31,15 @@
 #define HETERO_X86 1
 #include <immintrin.h>
 #define HETERO_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#if defined(HETERO_EMULATE_AVX512)
+// Test builds only (tests/test_cpu_adam.py, with -mavx2 -mfma -mf16c): the AVX-512 path below is
+// compiled against an emulation of its intrinsics on AVX2, so that it runs, and is tested, on CPUs
+// without AVX-512. Never defined by setup.py.
+#include "avx512_emulation.h"
+#define HETERO_TARGET_AVX512 HETERO_TARGET_AVX2
+#else
 #define HETERO_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+#endif
 // Helpers of the loops are forced inline: GCC otherwise keeps some out of line (a call per vector
 // with the vectors passed through the stack cost ~20% of single-thread throughput).
 #define HETERO_INLINE inline __attribute__((always_inline))
@@ -805,8 +813,12 @@ bool isa_supported(CpuIsa isa) {
   __builtin_cpu_init();
   switch (isa) {
     case CpuIsa::kAvx512:
+#if defined(HETERO_EMULATE_AVX512)
+      return isa_supported(CpuIsa::kAvx2);
+#else
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              isa_supported(CpuIsa::kAvx2);
+#endif
     case CpuIsa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
