@@ -513,8 +513,9 @@ class Runtime:
         """Bring what the policy expects next towards where it is needed, in next-use order: the
         next ``prefetch`` acquires onto their tier, the ones after them from NVMe into host
         memory. A prefetch only evicts blocks the policy expects later than the block it brings.
-        Transfers are issued and not waited for."""
-        if self.prefetch_depth <= 0:
+        Transfers are issued and not waited for. Nothing to do while every copy is on the device
+        (a model within its device budget): the tiers below hold nothing then."""
+        if self.prefetch_depth <= 0 or not any(self.tiers[t].used for t in self._below[DEVICE]):
             return
         ahead = self.policy.upcoming(2 * self.prefetch_depth)
         near = None  # how many of them the next ``prefetch`` acquires make up (asked when needed)
