@@ -55,7 +55,8 @@ class Block:
         self.chunk = chunk
         self.kind = kind
         self.dtype = dtype
-        self.id = f"c{chunk.index}.{kind}"
+        self.chunk_id = f"c{chunk.index}"
+        self.id = f"{self.chunk_id}.{kind}"  # simulator.SimBlock reads the chunk back from it
         self.numel = chunk.numel
         self.nbytes = chunk.numel * torch.empty((), dtype=dtype).element_size()
         self.device: Optional[torch.Tensor] = None

@@ -84,7 +84,8 @@ class Runtime:
         self._victims = Victims(policy)
         self._sizes: dict[str, int] = {}
         self._kinds: dict[str, str] = {}
-        policy.sizes, policy.kinds = self._sizes, self._kinds
+        self._chunks: dict[str, str] = {}
+        policy.sizes, policy.kinds, policy.chunks = self._sizes, self._kinds, self._chunks
         self.storage = storage
         self.prefetch_depth = prefetch
         self.tracker = Tracker()
@@ -166,14 +167,26 @@ class Runtime:
         self._blocks[block.id] = block
         self._sizes[block.id] = block.nbytes
         self._kinds[block.id] = block.kind
+        self._chunks[block.id] = block.chunk_id
         self.tracker.event("create", block.id, block.kind, block.nbytes, tier)
         if tier is None:
             tier = self.policy.home(self._info(block), self.free_bytes(),
                                     {n: t.capacity for n, t in self.tiers.items()})
+            self._victims.invalidate()  # a home may change keys (opt: a chunk made resident)
         first = HOST if tier == NVME else tier  # NVMe is written from a host slot
         self._placing.add(block)
         try:
-            self._alloc(block, first, set())
+            try:
+                self._alloc(block, first, set())
+            except HeteroOOMError:
+                # The policy chose by free bytes; a tier of fixed slots may still have no run for
+                # the block. Another tier with room will do rather than failing the step.
+                first = next((t for t in (DEVICE, HOST) if t != first and t in self.tiers
+                              and self.tiers[t].free >= self._size_on(t, block)), None)
+                if first is None:
+                    raise
+                tier = first
+                self._alloc(block, first, set())
         finally:
             self._placing.discard(block)
         self._add_copy(block, first)

@@ -31,6 +31,7 @@ class SimBlock:
 
     def __init__(self, block_id: str, kind: str, nbytes: int) -> None:
         self.id, self.kind, self.nbytes = block_id, kind, nbytes
+        self.chunk_id = block_id.rpartition(".")[0] or block_id  # ids are "<chunk>.<kind>"
         self.tiers: set[str] = set()
         self.pins: dict[str, int] = {}
         self.host_offset: Optional[int] = None

@@ -58,8 +58,8 @@ class Victims:
         self._ranked: dict[str, _Ranked] = {}
 
     def invalidate(self) -> None:
-        """The policy's keys may have changed (it observed an acquire, a step ended, or a state
-        settled)."""
+        """The policy's keys may have changed (it observed an acquire, a step ended, a state
+        settled, or it chose a new block's home)."""
         ids = self.policy.changed_keys() if self._named else None
         if ids is None:
             self._ranked.clear()

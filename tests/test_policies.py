@@ -252,7 +252,8 @@ def test_opt_homes_optimizer_states_on_the_device_only_beside_the_working_set() 
 
 
 def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> None:
-    caps = {"device": 100, "host": 1000, "nvme": 10000}
+    # A state takes Opt.RESIDENT_ROOM (1.5) times its bytes: itself and half its chunk's gradient.
+    caps = {"device": 120, "host": 1000, "nvme": 10000}
     o = Auto()
     o.sizes = {"a": 30, "b": 30}
     m = info("m", nbytes=20, kind="exp_avg")
@@ -263,25 +264,26 @@ def test_opt_settles_optimizer_states_on_the_device_beside_a_complete_step() -> 
     assert o.settle(m, caps) is None  # the working set grew in that step (from nothing)
     feed(o, "ab", step=1)
     o.end_step(1)
-    assert o.settle(m, caps) == "device"  # 60 + 20 <= 100
+    assert o.settle(m, caps) == "device"  # 60 + 30 <= 120
     o.settled(m, "device")
     v = info("v", nbytes=20, kind="exp_avg_sq")
-    assert o.settle(v, caps) == "device"  # 80 + 20
+    assert o.settle(v, caps) == "device"  # 90 + 30
     assert o.settle(v, caps) == "device"  # a move the runtime could not make takes no room
     o.settled(v, "device")
-    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # 101 > 100
+    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # 121.5 > 120
     feed(o, "abmv", step=2)  # the next step: a, b and the states settled for it, 100 bytes
     o.end_step(2)
-    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None
+    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # it grew to 100 bytes
     o.sizes = {"a": 30, "b": 30, "c": 5, "m": 20, "v": 20}
     feed(o, "ab", step=3)  # a smaller step, then one that uses a block none used before
     o.end_step(3)
     feed(o, "abc", step=4)
-    o.end_step(4)  # 65 bytes
-    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # while it grows: no
+    o.end_step(4)  # 65 bytes, a new block among them; the largest step is still step 2's
+    assert o.settle(info("w", nbytes=14, kind="exp_avg"), caps) is None  # 100 + 21 > 120
+    assert o.settle(info("w", nbytes=13, kind="exp_avg"), caps) == "device"  # 100 + 19.5
     feed(o, "abc", step=5)
     o.end_step(5)
-    assert o.settle(info("w", nbytes=1, kind="exp_avg"), caps) is None  # 100 + 1 > 100 still
+    assert o.settle(info("w", nbytes=14, kind="exp_avg"), caps) is None  # 100 + 21 > 120 still
     assert o.settle(info("p", nbytes=1, kind="param"), caps) is None  # only optimizer states move
     for cls in (LRU, Hotness, Static):  # the other policies leave blocks where they are
         assert cls().settle(m, caps) is None
@@ -302,6 +304,100 @@ def test_the_device_working_set_leaves_gradients_out() -> None:
         assert o.home(info("m", nbytes=20, kind="exp_avg"), free, caps) == "device"  # 60 + 20
         assert o.home(info("v", nbytes=20, kind="exp_avg_sq"), free, caps) == "device"  # 80 + 20
         assert o.home(info("w", nbytes=20, kind="exp_avg"), free, caps) == "host"  # 120 > 100
+
+
+def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() -> None:
+    """Where a chunk's states fit on the device beside the working set with its gradient and a
+    margin, every block of the chunk is a victim there only after every other block, though its
+    next use (the update) is the furthest; it stops being resident when its update runs below,
+    when a step does not update it, or when a step's device working set outgrows the device."""
+    caps = {"device": 400, "host": 1000}
+    free = {"device": 400, "host": 1000}
+
+    def start() -> Opt:
+        o = Opt()
+        o.sizes = {"p": 40, "g": 40, "q": 40, "m": 40, "v": 40, "r": 40, "s": 40}
+        o.kinds = {"p": "param", "g": "grad", "q": "param", "m": "exp_avg", "v": "exp_avg_sq",
+                   "r": "param", "s": "exp_avg"}
+        o.chunks = {"p": "c0", "g": "c0", "m": "c0", "v": "c0", "q": "c1", "r": "c2", "s": "c2"}
+        feed(o, "pqr")  # the forward
+        o.observe(["g"], "device", 0, 50, write=True)  # the backward writes c0's gradient
+        return o
+
+    def update(o: Opt, tier: str, step: int) -> None:
+        o.observe(["g"], tier, step, 60)
+        o.observe(["p", "m", "v"], tier, step, 61, write=True)
+
+    def victim(o: Opt) -> str:
+        return o.victim("device", [info(b, nbytes=40, kind=o.kinds[b]) for b in "pgqmv"]).id
+
+    o = start()
+    # Each state needs 1.5x its bytes (with half its chunk's gradient) beside what the step has
+    # used on the device so far, within 7/8 of the device: 120 + 60, 160 + 60, 200 + 60 <= 350.
+    assert o.home(info("m", nbytes=40, kind="exp_avg"), free, caps) == "device"
+    assert o.home(info("v", nbytes=40, kind="exp_avg_sq"), free, caps) == "device"
+    assert o.home(info("s", nbytes=40, kind="exp_avg"), free, caps) == "device"
+    assert o.chunks["s"] in o._resident
+    update(o, "device", 0)
+    assert victim(o) == "q"  # the only block outside resident chunks, though p is needed first
+    o.observe(["s"], "device", 0, 70, write=True)  # c2 is updated on the device too
+    o.end_step(0)
+    assert victim(o) == "q" and o._resident == {"c0", "c2"}
+    feed(o, "pqr", step=1)
+    update(o, "host", 1)  # c0's update ran below after all: c0 moves like any other chunk
+    assert "c0" not in o._resident
+    o.end_step(1)  # ... and c2, not updated on the device in this step, is not resident either
+    assert o._resident == set()
+    k = o.victim_key("device")
+    assert victim(o) == max("pgqmv", key=lambda b: (k(info(b, nbytes=40, kind=o.kinds[b])), b))
+
+    o = start()  # states that fit only without their gradient's room (120 + 60 > 175) start there
+    # as any other block
+    small = {"device": 200, "host": 1000}
+    assert o.home(info("m", nbytes=40, kind="exp_avg"), free, small) == "device"  # 120 + 40 <= 200
+    assert not o._resident
+
+    o = start()  # a step whose device working set outgrows the device ends every residency
+    assert o.home(info("m", nbytes=40, kind="exp_avg"), free, caps) == "device"
+    update(o, "device", 0)
+    o.end_step(0)
+    assert o._resident == {"c0"}
+    o.sizes = {**o.sizes, **{f"x{i}": 40 for i in range(5)}}
+    feed(o, "pqr", step=1)
+    for i in range(5):  # routing picked five more experts: 120 + 40 * 5 + c0's 160 > 400
+        o.observe([f"x{i}"], "device", 1, 80 + i)
+    update(o, "device", 1)
+    o.end_step(1)
+    assert o._resident == set()
+
+
+def test_resident_chunks_are_never_moved_once_settled(monkeypatch) -> None:
+    """A real run with room on the device for some chunks whole: they stay resident, and after
+    the first steps no block of theirs moves between the device and the host."""
+    torch.manual_seed(0)
+    net = GPT()
+    model = hetero.wrap(net, device="cpu", device_budget=int(state_bytes(net) * 0.5), chunk_size="8KiB")
+    rt = model._hetero_state.runtime
+    moved: list[tuple[int, str]] = []
+    real = rt.tracker.count
+
+    def count(block, src, dst, nbytes, prefetch=False):
+        moved.append((rt.tracker.step, block))
+        real(block, src, dst, nbytes, prefetch)
+
+    monkeypatch.setattr(rt.tracker, "count", count)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in batches(6, seed=3):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    rt.drain()
+    resident = rt.policy._resident
+    assert len(resident) >= 4  # 6 of 23 chunks here; 2 if their blocks are ranked as any other
+    late = [b for step, b in moved if step >= 2 and rt.policy.chunks[b] in resident]
+    assert not late, late
+    assert any(step >= 2 for step, _ in moved)  # the other chunks still move every step
+    model.close()
 
 
 def test_the_policy_hears_only_of_the_settles_the_runtime_made() -> None:

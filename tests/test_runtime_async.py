@@ -46,6 +46,7 @@ class TB:
 
     def __init__(self, name: str, numel: int, kind: str = "exp_avg") -> None:
         self.id, self.kind, self.dtype, self.numel = name, kind, torch.float32, numel
+        self.chunk_id = name  # a chunk of its own
         self.nbytes = numel * 4
         self.device = None
         self.host_offset = None

@@ -11,8 +11,8 @@ runtime (and the simulator, which is the same runtime over simulated storage) ca
   does);
 * :meth:`Policy.next_use` and :meth:`Policy.upcoming` to prefetch in next-use order;
 
-and keeps :attr:`Policy.sizes` and :attr:`Policy.kinds` current (the bytes and kind of every
-block it has created, by id).
+and keeps :attr:`Policy.sizes`, :attr:`Policy.kinds` and :attr:`Policy.chunks` current (the
+bytes, kind and chunk of every block it has created, by id).
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class Policy:
     sizes: Mapping[str, int] = types.MappingProxyType({})
     #: kind of every block the runtime has created, by id ("param", "grad", "exp_avg", ...)
     kinds: Mapping[str, str] = types.MappingProxyType({})
+    #: chunk of every block the runtime has created, by id: the blocks of one chunk (its
+    #: parameters, gradient and optimizer states) are updated together by the optimizer
+    chunks: Mapping[str, str] = types.MappingProxyType({})
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:
@@ -68,16 +71,16 @@ class Policy:
     def victim_key(self, tier: str) -> Optional[Callable[[BlockInfo], Any]]:
         """A ranking of blocks on ``tier`` as victims (largest first; ties go to the largest id),
         or None.
-        Keys may change only in :meth:`observe`, :meth:`end_step` and :meth:`settled`: in
-        between, the runtime keeps each tier sorted and evicts down the list
+        Keys may change only in :meth:`observe`, :meth:`end_step`, :meth:`settled` and
+        :meth:`home`: in between, the runtime keeps each tier sorted and evicts down the list
         (:mod:`hetero.victims`) instead of weighing every block for every eviction. Used only
         where :meth:`victim` is this default."""
         return None
 
     def changed_keys(self) -> Optional[Collection[str]]:
         """Ids of the blocks whose :meth:`victim_key` may differ from what it was at the last
-        call (the runtime calls this after every :meth:`observe`, :meth:`end_step` and
-        :meth:`settled`), or None if any block's may (the default). A policy that can name them
+        call (the runtime calls this after every :meth:`observe`, :meth:`end_step`,
+        :meth:`settled` and :meth:`home`), or None if any block's may (the default). A policy that can name them
         spares the runtime a re-sort of every tier per acquire: it re-weighs only those.
         Trusted only from the class that defines :meth:`victim_key` (a subclass changing the
         key must override both)."""

@@ -10,6 +10,13 @@ recording and evicts unknown blocks first, least recently used first. An optimiz
 up by :meth:`Opt.settle` is expected on the device at its next use anywhere, and so are the
 blocks its chunk's update writes with it: that update runs where the state is, though the
 recorded step updated the chunk below.
+
+Chunks can be *resident*: given the device for good where the step's device working set leaves
+room for all their blocks (see :meth:`Opt.home`). A resident chunk is updated on the device and
+moves nothing, where any other chunk costs its parameters' fetch and its gradient's write-back
+every step; so every block of a resident chunk is a victim only after every other block. Next
+uses cannot see this: a resident state's next use is its update, the furthest of all, and Belady
+would push it out first, moving the chunk's update below for good.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ class Opt(Policy):
         # Blocks whose victim key may have changed since changed_keys (None: any block's).
         self._stale: Optional[set[str]] = None
         self._guessed: set[str] = set()  # predicted by the fallback: their keys move every access
+        self._resident: set[str] = set()  # chunks given the device for good (see home)
+        self._updated_here: set[str] = set()  # chunks updated on the device this step
+        self._device_capacity = math.inf  # as home and settle last saw it
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:
@@ -66,17 +76,39 @@ class Opt(Policy):
         if tier == DEVICE:
             for b in blocks:
                 self._use_device(b, self.sizes.get(b, 0))
+        if write and any(self.kinds.get(b) in OPTIMIZER_KINDS for b in blocks):  # an update
+            chunks = {self.chunks[b] for b in blocks if b in self.chunks}
+            if tier == DEVICE:
+                self._updated_here |= chunks
+            elif chunks & self._resident:  # pushed below after all: it moves like any other
+                self._resident -= chunks
+                self._stale = None
+
+    def _needs_device(self) -> int:
+        """The distinct bytes this step used on the device that it needs there: all but the
+        optimizer states of chunks that are not resident (any tier would do for them)."""
+        return sum(self.sizes.get(b, 0) for b in self._dev_now
+                   if self.kinds.get(b) not in OPTIMIZER_KINDS or self.chunks.get(b) in self._resident)
 
     def _use_device(self, block_id: str, nbytes: int) -> None:
         """Count ``block_id`` into the distinct bytes this step uses on the device. Not a
-        gradient: it lives there only from its backward to its chunk's update (zero_grad drops
-        it), and where that update runs on the host it leaves at the update."""
-        if block_id not in self._dev_now and self.kinds.get(block_id) != GRAD:
+        gradient, unless its chunk is resident: it lives there only from its backward to its
+        chunk's update (zero_grad drops it), and where that update runs on the host it leaves
+        at the update."""
+        if block_id not in self._dev_now and (self.kinds.get(block_id) != GRAD
+                                              or self.chunks.get(block_id) in self._resident):
             self._dev_now.add(block_id)
             self._ws_now += nbytes
 
     def end_step(self, step: int) -> None:
         self._predicted.clear()
+        # A chunk stays resident while it is updated on the device every step (an expert the
+        # router skipped is not), and only while the step's device working set, resident
+        # chunks included, fits on the device (routing may grow it past the room they took).
+        self._resident &= self._updated_here
+        if self._resident and self._needs_device() > self._device_capacity:
+            self._resident.clear()
+        self._updated_here = set()
         self.follow.append(self.timeline.end_step())
         self._ws_grew = self._ws_now > self._ws_max
         self._ws_max = max(self._ws_max, self._ws_now)
@@ -98,6 +130,10 @@ class Opt(Policy):
 
     def _predict(self, block_id: str, tier: str) -> tuple[float, bool]:
         d = self.timeline.next_use(block_id, "*" if block_id in self._settled else tier)
+        if d is None and self.timeline.provisional and self.kinds.get(block_id) == GRAD:
+            # The first step's guess (its forward mirrored) ends with the backward; a gradient
+            # is read by its chunk's update, which comes right after it.
+            return float(len(self.timeline.recorded) - self.timeline.pos), True
         if self.fallback is not None and (d is None or not self.timeline.reliable(block_id)):
             return self.fallback.predicted(block_id), False  # the recording cannot say: ask hotness
         return (math.inf, False) if d is None else (float(d), True)
@@ -106,7 +142,8 @@ class Opt(Policy):
         return self.predict(block_id, tier)[0]
 
     def victim_key(self, tier: str) -> Callable[[BlockInfo], Any]:
-        """Furthest next use first; at equal distance the recording's prediction before a guess
+        """Blocks of resident chunks last (on the device); then furthest next use first; at
+        equal distance the recording's prediction before a guess
         (so among blocks not needed again, those known to be rewritten elsewhere first before
         those nobody can predict: an expert not routed to yet may be next); then clean before
         dirty, then least recently used. The next use is keyed by its position in the
@@ -116,7 +153,8 @@ class Opt(Policy):
 
         def key(b: BlockInfo) -> Any:
             d, known = self.predict(b.id, tier)
-            return d + timeline.pos, known, b.clean_below, -self._last.get(b.id, -1), b.id
+            movable = tier != DEVICE or self.chunks.get(b.id) not in self._resident
+            return movable, d + timeline.pos, known, b.clean_below, -self._last.get(b.id, -1), b.id
         return key
 
     def changed_keys(self) -> Optional[set[str]]:
@@ -132,27 +170,42 @@ class Opt(Policy):
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
         return self.timeline.upcoming(groups)
 
-    def _fits_beside_working_set(self, nbytes: int, capacity: Mapping[str, int]) -> bool:
+    #: the share of the device that resident chunks leave to everything else: streaming the
+    #: other chunks, and the first step's all-or-nothing update (whose copies of what it
+    #: overwrites need room)
+    RESIDENT_MARGIN = 0.125
+
+    def _fits_beside_working_set(self, nbytes: float, capacity: Mapping[str, int],
+                                 margin: float = 0.0) -> bool:
         """Whether ``nbytes`` more fit on the device beside its working set: the largest complete
         step's distinct device bytes plus the optimizer blocks homed there since, or the current
         step's so far if larger (the first step counts itself)."""
         ws = max(self._ws_max + self._ws_extra, self._ws_now)
-        return bool(ws) and ws + nbytes <= capacity.get(DEVICE, 0)
+        return bool(ws) and ws + nbytes <= (1 - margin) * capacity.get(DEVICE, 0)
 
-    def _home_on_device(self, block: BlockInfo) -> None:
-        self._ws_extra += block.nbytes
+    #: room an optimizer state takes on the device beside the working set, in its own bytes:
+    #: itself and half its chunk's gradient (two states share one), which stays on the device
+    #: until the chunk's update there
+    RESIDENT_ROOM = 1.5
+
+    def _home_on_device(self, block: BlockInfo, room: float = 1.0) -> None:
+        self._ws_extra += room * block.nbytes
         self._use_device(block.id, block.nbytes)
 
     def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
         """An optimizer state below the device moves up where it fits beside the device working
         set of a complete step, as :meth:`home` would have placed it had that step been known,
-        and only after a step that did not grow that working set. While it grows (routed experts
-        picked for the first time), states moved up are pushed out again before their update.
+        with its chunk's gradient (:attr:`RESIDENT_ROOM`), and only after a step that did not
+        grow that working set. While it grows (routed experts picked for the first time), states
+        moved up are pushed out again before their update.
         The states settled for a step count into its working set, so each round of settling is
         followed by a step that shows the working set it made before the next round is asked."""
-        if block.kind not in OPTIMIZER_KINDS or not self._ws_max or self._ws_grew:
+        if block.kind not in OPTIMIZER_KINDS:
             return None
-        if not self._fits_beside_working_set(block.nbytes, capacity):
+        self._device_capacity = capacity.get(DEVICE, 0)
+        if not self._ws_max or self._ws_grew:
+            return None
+        if not self._fits_beside_working_set(self.RESIDENT_ROOM * block.nbytes, capacity):
             return None
         return DEVICE
 
@@ -161,7 +214,7 @@ class Opt(Policy):
         the blocks the recording writes with it (the chunk's parameters: the recording rewrites
         them on the host, so their device copies would look dead), are expected on the device
         at their next use anywhere."""
-        self._home_on_device(block)
+        self._home_on_device(block, self.RESIDENT_ROOM)
         moved = {block.id, *self.timeline.written_with(block.id)}
         self._settled |= moved
         for b in moved:
@@ -172,15 +225,26 @@ class Opt(Policy):
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Optimizer states are used once a step (long reuse distance): they take the device only
         where they cannot push out what every step needs there, so their chunk's update runs on
-        the device and moves nothing. That is where they fit beside the device working set (the
-        distinct bytes a step uses there, the largest complete step seen, gradients left out: a
-        chunk whose states are on the device trades its gradient's write-back and its
-        parameters' fetch, every step, for their room), or where the device
-        stays at least half free after them. (With an NVMe tier, a chunk in its first step whose
-        new states start on the device beside its parameters and gradient is updated there in
-        place, after the step's commit, so it needs no pre-step copies in host memory.)
-        Everything else takes the fastest room."""
+        the device and moves nothing. Where they fit beside the device working set (the
+        distinct bytes a step uses there, the largest complete step seen, gradients left out)
+        with their chunk's gradient (:attr:`RESIDENT_ROOM`), the chunk becomes resident: a chunk
+        whose states are on the device trades its gradient's write-back and its parameters'
+        fetch, every step, for their room. Where they fit without the gradient, or where the
+        device stays at least half free after them, they start on the device too, but as any
+        other block. (With an NVMe tier, a chunk in its first step whose new states start on
+        the device beside its parameters and gradient is updated there in place, after the
+        step's commit, so it needs no pre-step copies in host memory.) Everything else takes
+        the fastest room."""
         if block.kind in OPTIMIZER_KINDS:
+            self._device_capacity = capacity.get(DEVICE, 0)
+            if self._fits_beside_working_set(self.RESIDENT_ROOM * block.nbytes, capacity,
+                                             margin=self.RESIDENT_MARGIN):
+                self._home_on_device(block, self.RESIDENT_ROOM)
+                chunk = self.chunks.get(block.id)
+                if chunk is not None and chunk not in self._resident:
+                    self._resident.add(chunk)
+                    self._stale = None
+                return DEVICE
             if (self._fits_beside_working_set(block.nbytes, capacity)
                     or free.get(DEVICE, 0) - block.nbytes >= capacity.get(DEVICE, 0) / 2):
                 self._home_on_device(block)
