@@ -80,8 +80,9 @@ class Policy:
     def changed_keys(self) -> Optional[Collection[str]]:
         """Ids of the blocks whose :meth:`victim_key` may differ from what it was at the last
         call (the runtime calls this after every :meth:`observe`, :meth:`end_step`,
-        :meth:`settled` and :meth:`home`), or None if any block's may (the default). A policy that can name them
-        spares the runtime a re-sort of every tier per acquire: it re-weighs only those.
+        :meth:`settled` and :meth:`home`), or None if any block's may (the default). A policy
+        that can name them spares the runtime a re-sort of every tier per acquire: it re-weighs
+        only those.
         Trusted only from the class that defines :meth:`victim_key` (a subclass changing the
         key must override both)."""
         return None

@@ -227,9 +227,10 @@ class Opt(Policy):
         where they cannot push out what every step needs there, so their chunk's update runs on
         the device and moves nothing. Where they fit beside the device working set (the
         distinct bytes a step uses there, the largest complete step seen, gradients left out)
-        with their chunk's gradient (:attr:`RESIDENT_ROOM`), the chunk becomes resident: a chunk
-        whose states are on the device trades its gradient's write-back and its parameters'
-        fetch, every step, for their room. Where they fit without the gradient, or where the
+        with their chunk's gradient (:attr:`RESIDENT_ROOM`) and a margin
+        (:attr:`RESIDENT_MARGIN`), the chunk becomes resident: a chunk whose states are on the
+        device trades its gradient's write-back and its parameters' fetch, every step, for
+        their room. Where they fit without the gradient, or where the
         device stays at least half free after them, they start on the device too, but as any
         other block. (With an NVMe tier, a chunk in its first step whose new states start on
         the device beside its parameters and gradient is updated there in place, after the
