@@ -31,107 +31,82 @@ namespace hetero_emulation {
 struct F16 {
   float f[16];
 };
-struct I16x32 {
-  uint16_t h[32];
-};
 struct I32x16 {
   int32_t i[16];
 };
 
-inline F16 floats(simde__m512 v) {
-  F16 out;
-  std::memcpy(out.f, &v, sizeof(out.f));
+// The same 64 (or 32) bytes seen as another type.
+template <typename To, typename From>
+inline To bits(const From& v) {
+  static_assert(sizeof(To) == sizeof(From), "bits: the types differ in size");
+  To out;
+  std::memcpy(&out, &v, sizeof(out));
   return out;
 }
-inline simde__m512 vec(const F16& a) {
-  simde__m512 v;
-  std::memcpy(&v, a.f, sizeof(a.f));
-  return v;
-}
-inline I32x16 ints(simde__m512i v) {
-  I32x16 out;
-  std::memcpy(out.i, &v, sizeof(out.i));
-  return out;
-}
-inline simde__m512i vec(const I32x16& a) {
-  simde__m512i v;
-  std::memcpy(&v, a.i, sizeof(a.i));
+
+template <typename Wide, typename Half>
+inline Wide join(const Half& lo, const Half& hi) {
+  static_assert(sizeof(Wide) == 2 * sizeof(Half), "join: not two halves");
+  Wide v;
+  std::memcpy(reinterpret_cast<char*>(&v), &lo, sizeof(Half));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(Half), &hi, sizeof(Half));
   return v;
 }
 
-inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
-  F16 r{};
-  for (int i = 0; i < 16; ++i)
-    if ((k >> i) & 1) std::memcpy(&r.f[i], static_cast<const char*>(p) + 4 * i, 4);
-  return vec(r);
+// Masked loads and stores of `Lanes` lanes: only the lanes set in `k` are read or written.
+template <typename Vec, int Lanes>
+inline Vec maskz_loadu(uint32_t k, const void* p) {
+  constexpr int w = sizeof(Vec) / Lanes;
+  unsigned char r[sizeof(Vec)] = {};
+  for (int i = 0; i < Lanes; ++i)
+    if ((k >> i) & 1) std::memcpy(r + w * i, static_cast<const char*>(p) + w * i, w);
+  return bits<Vec>(r);
 }
 
-inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 v) {
-  const F16 a = floats(v);
-  for (int i = 0; i < 16; ++i)
-    if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + 4 * i, &a.f[i], 4);
-}
-
-inline simde__m512i maskz_loadu_epi16(simde__mmask32 k, const void* p) {
-  I16x32 r{};
-  for (int i = 0; i < 32; ++i)
-    if ((k >> i) & 1) std::memcpy(&r.h[i], static_cast<const char*>(p) + 2 * i, 2);
-  simde__m512i v;
-  std::memcpy(&v, r.h, sizeof(r.h));
-  return v;
-}
-
-inline void mask_storeu_epi16(void* p, simde__mmask32 k, simde__m512i v) {
-  I16x32 a;
-  std::memcpy(a.h, &v, sizeof(a.h));
-  for (int i = 0; i < 32; ++i)
-    if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + 2 * i, &a.h[i], 2);
+template <int Lanes, typename Vec>
+inline void mask_storeu(void* p, uint32_t k, const Vec& v) {
+  constexpr int w = sizeof(Vec) / Lanes;
+  const auto* a = reinterpret_cast<const unsigned char*>(&v);
+  for (int i = 0; i < Lanes; ++i)
+    if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + w * i, a + w * i, w);
 }
 
 inline simde__m512i cvtepu16_epi32(__m256i h) {
-  const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(h));
-  const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1));
-  simde__m512i v;
-  std::memcpy(reinterpret_cast<char*>(&v), &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
+  return join<simde__m512i>(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)),
+                            _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)));
 }
 
 inline __m256i cvtepi32_epi16(simde__m512i v) {  // truncates each lane to its low 16 bits
-  const I32x16 a = ints(v);
+  const I32x16 a = bits<I32x16>(v);
   alignas(32) uint16_t h[16];
   for (int i = 0; i < 16; ++i) h[i] = static_cast<uint16_t>(static_cast<uint32_t>(a.i[i]));
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(h));
 }
 
 inline simde__m512 cvtph_ps(__m256i h) {
-  const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-  simde__m512 v;
-  std::memcpy(reinterpret_cast<char*>(&v), &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
+  return join<simde__m512>(_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+                           _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
 }
 
 // The rounding argument must be a constant, as for the instruction.
 #define HETERO_EMU_CVTPS_PH(v, rounding)                                                       \
   [&]() {                                                                                      \
-    const hetero_emulation::F16 a_ = hetero_emulation::floats(v);                              \
+    const auto a_ = hetero_emulation::bits<hetero_emulation::F16>(v);                          \
     const __m128i lo_ = _mm256_cvtps_ph(_mm256_loadu_ps(a_.f), rounding);                      \
     const __m128i hi_ = _mm256_cvtps_ph(_mm256_loadu_ps(a_.f + 8), rounding);                  \
-    return _mm256_set_m128i(hi_, lo_);                                                         \
+    return hetero_emulation::join<__m256i>(lo_, hi_);                                          \
   }()
 
 }  // namespace hetero_emulation
 
 #undef _mm512_maskz_loadu_ps
-#define _mm512_maskz_loadu_ps(k, p) hetero_emulation::maskz_loadu_ps(k, p)
+#define _mm512_maskz_loadu_ps(k, p) hetero_emulation::maskz_loadu<simde__m512, 16>(k, p)
 #undef _mm512_mask_storeu_ps
-#define _mm512_mask_storeu_ps(p, k, v) hetero_emulation::mask_storeu_ps(p, k, v)
+#define _mm512_mask_storeu_ps(p, k, v) hetero_emulation::mask_storeu<16>(p, k, v)
 #undef _mm512_maskz_loadu_epi16
-#define _mm512_maskz_loadu_epi16(k, p) hetero_emulation::maskz_loadu_epi16(k, p)
+#define _mm512_maskz_loadu_epi16(k, p) hetero_emulation::maskz_loadu<simde__m512i, 32>(k, p)
 #undef _mm512_mask_storeu_epi16
-#define _mm512_mask_storeu_epi16(p, k, v) hetero_emulation::mask_storeu_epi16(p, k, v)
+#define _mm512_mask_storeu_epi16(p, k, v) hetero_emulation::mask_storeu<32>(p, k, v)
 #undef _mm512_cvtepu16_epi32
 #define _mm512_cvtepu16_epi32(h) hetero_emulation::cvtepu16_epi32(h)
 #undef _mm512_cvtepi32_epi16
