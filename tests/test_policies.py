@@ -371,7 +371,7 @@ def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() ->
     assert o._resident == set()
 
 
-def test_resident_chunks_are_never_moved_once_settled(monkeypatch) -> None:
+def test_resident_chunks_never_move_once_resident(monkeypatch) -> None:
     """A real run with room on the device for some chunks whole: they stay resident, and after
     the first steps no block of theirs moves between the device and the host."""
     torch.manual_seed(0)
