@@ -30,8 +30,9 @@ Invariants kept at every instant:
 A failed transfer (``HeteroIOError``) is undone before the error propagates: ops that depended on
 it are cancelled, and the logical changes of the failed and cancelled ops are reverted newest
 first, so every block again has valid copies where the runtime says (see :meth:`_recover`). With
-:meth:`transaction`, writes also keep the block's previous copy as a *shadow* until commit, so a
-whole optimizer step can be rolled back (see :mod:`hetero.optim.adam`).
+:meth:`transaction`, writes also keep the block's previous copy as a *shadow* until commit (a
+shadow in host memory moves to NVMe when the host needs the room), so a whole optimizer step can
+be rolled back (see :mod:`hetero.optim.adam`).
 
 Decisions come from a pure :class:`~hetero.policies.Policy`; bytes are moved by a storage object
 (:class:`TierStorage` for real, :class:`~hetero.simulator.SimStorage` in the simulator). Every call
@@ -473,8 +474,9 @@ class Runtime:
             self.storage.adopt(block, tier, loc, owner=_Shadow(block))
 
     def _drop_shadow(self, tier: str) -> bool:
-        """Make room on ``tier`` by giving up a shadow there: the transaction goes on, but can no
-        longer undo that block (logged once per transaction)."""
+        """Make room on ``tier`` by moving a shadow there one tier down (host to NVMe, where it
+        fits) or, failing that, by giving it up: the transaction goes on, but can no longer undo
+        that block (logged once per transaction)."""
         txn = self._txn
         if txn is None or self._prefetching_now:  # never give up a shadow for a prefetch
             return False
@@ -482,6 +484,8 @@ class Runtime:
         if found is None:
             return False
         block, loc = found
+        if tier == HOST and self._demote_shadow(txn, block, loc):
+            return True
         del txn.shadows[block]
         self._release_shadow(block, tier, loc)
         if txn.complete:
@@ -490,6 +494,39 @@ class Runtime:
                         "(give the %s tier more room to keep steps all-or-nothing)", tier, tier)
         txn.lose(block)
         return True
+
+    def _demote_shadow(self, txn: "_Transaction", block: Block, loc: Any) -> bool:
+        """Write ``block``'s host shadow at ``loc`` to free NVMe slots and give the host slots
+        up (they are free for the next placement at once; a transfer into them waits for the
+        write). False when NVMe has no room. If the write fails, :meth:`_recover` puts the shadow
+        back on the host (:meth:`_undo_demotion`), so the transaction can still roll back."""
+        nvme = self.tiers.get(NVME)
+        need = self._size_on(NVME, block)
+        if nvme is None or nvme.free < need:
+            return False
+        dst = self.storage.hold(NVME, block.nbytes, _Shadow(block))
+        if dst is None:
+            return False
+        nvme.reserve(need)
+        self.tracker.used(NVME, nvme.used)
+        txn.shadows[block] = (NVME, dst)
+        self._release_shadow(block, HOST, loc)
+        self.tracker.count(block.id, HOST, NVME, block.nbytes, False)
+        op = self._issue(block, HOST, NVME, loc, dst, freed_src=True, prefetch=False)
+        op.shadow = txn
+        log.debug("hetero: moved the previous version of %s to NVMe to make room on the host", block.id)
+        return True
+
+    def _undo_demotion(self, op: Op) -> None:
+        """Revert a failed :meth:`_demote_shadow`: the host slots it read were never overwritten
+        (every transfer into them depended on it and was undone first)."""
+        block, txn = op.block, op.shadow
+        self._release_shadow(block, NVME, op.dst_loc)
+        self.storage.adopt(block, HOST, op.src_loc, owner=_Shadow(block))
+        host = self.tiers[HOST]
+        host.reserve(self._size_on(HOST, block))
+        self.tracker.used(HOST, host.used)
+        txn.shadows[block] = (HOST, op.src_loc)
 
     def _release_shadow(self, block: Block, tier: str, loc: Any) -> None:
         if tier == DEVICE:
@@ -835,6 +872,9 @@ class Runtime:
         for op in sorted(bad, key=lambda o: o.seq, reverse=True):
             assert not op.compute, f"runtime bug: {op} undone (deferred work has no dependencies)"
             self._ops.remove(op)
+            if op.shadow is not None:  # it moved a shadow, not the block's own copy
+                self._undo_demotion(op)
+                continue
             block = op.block
             if op.dst is not None and op.dst in block.tiers:
                 self._drop(block, op.dst)

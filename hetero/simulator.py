@@ -90,6 +90,12 @@ class SimStorage:
         elif tier == NVME:
             self.nvme.free(loc[1], nbytes)
 
+    def hold(self, tier: str, nbytes: int, owner: object) -> Any:
+        if tier == HOST:
+            return self.host.alloc(nbytes, owner)
+        off = self.nvme.alloc(nbytes, owner)
+        return None if off is None else (0, off)
+
     def adopt(self, block: SimBlock, tier: str, loc: Any, owner: object = None) -> None:
         if tier == HOST:
             self.host.take(loc, block.nbytes, owner or block)

@@ -278,6 +278,13 @@ class TierStorage:
         elif tier == NVME:
             self.swap.free(loc, nbytes)
 
+    def hold(self, tier: str, nbytes: int, owner: object):
+        """Take free slots for ``nbytes`` on ``tier`` (host or NVMe) for ``owner``, not a block's
+        copy (a shadow); their location, or None when no run is free."""
+        if tier == HOST:
+            return self.arena.pool.alloc(nbytes, owner)
+        return self.swap.alloc(nbytes, owner)
+
     def adopt(self, block, tier: str, loc, owner: object = None) -> None:
         """Take the free slots at ``loc`` again for ``block`` (its copy there is valid again) or,
         with ``owner``, hold them for it without making them its location."""

@@ -46,11 +46,13 @@ class Op:
 
     ``src_loc`` / ``dst_loc`` are the locations at issue time (the block's logical location may
     change before the op runs). ``freed_src``: the source copy was dropped logically when the op
-    was issued (an eviction), so undoing the op gives it back.
+    was issued (an eviction), so undoing the op gives it back. ``shadow``: the op writes the
+    pre-write copy a transaction keeps (not the block's own copy) one tier down.
     """
 
     __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
-                 "init", "deps", "handle", "state", "start", "restorable", "compute", "reads", "writes")
+                 "init", "deps", "handle", "state", "start", "restorable", "compute", "reads", "writes",
+                 "shadow")
 
     def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
                  dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
@@ -63,6 +65,7 @@ class Op:
         self.start = issued
         self.restorable = True
         self.compute = compute
+        self.shadow: Any = None  # the transaction whose shadow it moves
         # the memory it reads and writes, fixed at issue (conflicts are judged on these)
         self.reads = () if src is None else (region(block, src, src_loc),)
         self.writes = () if dst is None else (region(block, dst, dst_loc),)

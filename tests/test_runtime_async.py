@@ -14,6 +14,7 @@ NVMe *issued* from a given point fail (issue order is logical, hence the same in
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import shutil
@@ -687,6 +688,48 @@ def _first_step_ready(path: str, policy: str):
     rt = model._hetero_state.runtime
     rt.drain()
     return model, opt, rt
+
+
+@pytest.mark.parametrize("policy,device,host,bf16", [("auto", 0.5, 0.21, False), ("opt", 0.8, 0.21, False),
+                                                      ("lru", 0.3, 0.21, False), ("hotness", 0.3, 0.21, False),
+                                                      ("lru", 0.3, 0.3, True)])
+def test_a_host_tier_too_small_for_the_shadows_moves_them_to_nvme(policy, device, host, bf16, swapdir,
+                                                                  faults, caplog) -> None:
+    """The first step writes every chunk, and each written block keeps its previous copy (its
+    shadow) until the commit. With these host budgets the shadows did not all fit: the step gave
+    some up, logged that it could no longer be undone, and a fault after that left chunks
+    updated (found in review; 8 of 144 small configurations). A shadow that needs the host's room
+    now moves to NVMe. Every NVMe transfer of the step fails in turn (shadow writes included,
+    whose failure puts the shadow back on the host); each time the step raises and changes
+    nothing, and no step gives up its guarantee."""
+    kw = {"mixed_precision": hetero.MixedPrecision(param_dtype=torch.bfloat16)} if bf16 else {}
+
+    def ready(path: str):
+        model = wrap_gpt(path, device, host, policy, **kw)
+        opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = batches(1, seed=1)[0]
+        model(x, y).backward()
+        model._hetero_state.runtime.drain()
+        return model, opt, snapshot(model, opt)  # (reading the state moves blocks: before counting)
+
+    model, opt, _ = ready(swapdir + "/count")
+    faults.reset()
+    with caplog.at_level(logging.WARNING, logger="hetero"):
+        opt.step()
+        model._hetero_state.runtime.drain()
+    n = faults.count()
+    close_model(model)
+    assert not [r for r in caplog.records if "undone" in r.getMessage()]
+    for k in range(n):
+        model, opt, before = ready(f"{swapdir}/{k}")
+        faults.arm(k)
+        with pytest.raises(HeteroIOError):
+            opt.step()
+            model._hetero_state.runtime.drain()
+        faults.reset()
+        assert_same_state(snapshot(model, opt), before)
+        assert not opt.state_dict()["state"]
+        close_model(model)
 
 
 @pytest.mark.parametrize("policy", ["auto", "lru", "hotness"])
