@@ -307,10 +307,10 @@ def test_the_device_working_set_leaves_gradients_out() -> None:
 
 
 def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() -> None:
-    """Where a chunk's states fit on the device beside the working set with its gradient and a
-    margin, every block of the chunk is a victim there only after every other block, though its
-    next use (the update) is the furthest; it stops being resident when its update runs below,
-    when a step does not update it, or when a step's device working set outgrows the device."""
+    """Where a chunk's states fit on the device beside the working set with its gradient, every
+    block of the chunk is a victim there only after every other block, though its next use (the
+    update) is the furthest; it stops being resident when its update runs below, when a step
+    does not update it, or when a step's device working set outgrows the device."""
     caps = {"device": 400, "host": 1000}
     free = {"device": 400, "host": 1000}
 
@@ -332,8 +332,9 @@ def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() ->
         return o.victim("device", [info(b, nbytes=40, kind=o.kinds[b]) for b in "pgqmv"]).id
 
     o = start()
-    # Each state needs 1.5x its bytes (with half its chunk's gradient) beside what the step has
-    # used on the device so far, within 7/8 of the device: 120 + 60, 160 + 60, 200 + 60 <= 350.
+    # A chunk's first state needs room for both states and the gradient beside what the step has
+    # used on the device so far: c0 120 + 160 <= 400 (its second state takes the room reserved),
+    # c2 240 + 120 <= 400 (its gradient, not seen yet, counts as a state's bytes).
     assert o.home(info("m", nbytes=40, kind="exp_avg"), free, caps) == "device"
     assert o.home(info("v", nbytes=40, kind="exp_avg_sq"), free, caps) == "device"
     assert o.home(info("s", nbytes=40, kind="exp_avg"), free, caps) == "device"
@@ -351,11 +352,18 @@ def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() ->
     k = o.victim_key("device")
     assert victim(o) == max("pgqmv", key=lambda b: (k(info(b, nbytes=40, kind=o.kinds[b])), b))
 
-    o = start()  # states that fit only without their gradient's room (120 + 60 > 175) start there
+    o = start()  # states that fit only without their gradient's room (120 + 160 > 170) start there
     # as any other block
-    small = {"device": 200, "host": 1000}
-    assert o.home(info("m", nbytes=40, kind="exp_avg"), free, small) == "device"  # 120 + 40 <= 200
+    small = {"device": 170, "host": 1000}
+    assert o.home(info("m", nbytes=40, kind="exp_avg"), free, small) == "device"  # 120 + 40 <= 170
     assert not o._resident
+
+    o = start()  # granting chunks one after another never counts on room an earlier one took
+    tight = {"device": 300, "host": 1000}
+    assert o.home(info("m", nbytes=40, kind="exp_avg"), free, tight) == "device"  # 120 + 160
+    assert o.home(info("v", nbytes=40, kind="exp_avg_sq"), free, tight) == "device"
+    assert o.home(info("s", nbytes=40, kind="exp_avg"), free, tight) == "device"  # 240 + 40 only
+    assert o._resident == {"c0"}
 
     o = start()  # a step whose device working set outgrows the device ends every residency
     assert o.home(info("m", nbytes=40, kind="exp_avg"), free, caps) == "device"

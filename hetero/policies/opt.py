@@ -54,6 +54,7 @@ class Opt(Policy):
         self._stale: Optional[set[str]] = None
         self._guessed: set[str] = set()  # predicted by the fallback: their keys move every access
         self._resident: set[str] = set()  # chunks given the device for good (see home)
+        self._grad_of: dict[str, str] = {}  # chunk -> its gradient block, once seen on the device
         self._updated_here: set[str] = set()  # chunks updated on the device this step
         self._device_capacity = math.inf  # as home and settle last saw it
 
@@ -95,8 +96,10 @@ class Opt(Policy):
         gradient, unless its chunk is resident: it lives there only from its backward to its
         chunk's update (zero_grad drops it), and where that update runs on the host it leaves
         at the update."""
-        if block_id not in self._dev_now and (self.kinds.get(block_id) != GRAD
-                                              or self.chunks.get(block_id) in self._resident):
+        kind, chunk = self.kinds.get(block_id), self.chunks.get(block_id)
+        if kind == GRAD and chunk is not None:
+            self._grad_of[chunk] = block_id
+        if block_id not in self._dev_now and (kind != GRAD or chunk in self._resident):
             self._dev_now.add(block_id)
             self._ws_now += nbytes
 
@@ -170,18 +173,12 @@ class Opt(Policy):
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
         return self.timeline.upcoming(groups)
 
-    #: the share of the device that resident chunks leave to everything else: streaming the
-    #: other chunks, and the first step's all-or-nothing update (whose copies of what it
-    #: overwrites need room)
-    RESIDENT_MARGIN = 0.125
-
-    def _fits_beside_working_set(self, nbytes: float, capacity: Mapping[str, int],
-                                 margin: float = 0.0) -> bool:
+    def _fits_beside_working_set(self, nbytes: float, capacity: Mapping[str, int]) -> bool:
         """Whether ``nbytes`` more fit on the device beside its working set: the largest complete
         step's distinct device bytes plus the optimizer blocks homed there since, or the current
         step's so far if larger (the first step counts itself)."""
         ws = max(self._ws_max + self._ws_extra, self._ws_now)
-        return bool(ws) and ws + nbytes <= (1 - margin) * capacity.get(DEVICE, 0)
+        return bool(ws) and ws + nbytes <= capacity.get(DEVICE, 0)
 
     #: room an optimizer state takes on the device beside the working set, in its own bytes:
     #: itself and half its chunk's gradient (two states share one), which stays on the device
@@ -225,26 +222,33 @@ class Opt(Policy):
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Optimizer states are used once a step (long reuse distance): they take the device only
         where they cannot push out what every step needs there, so their chunk's update runs on
-        the device and moves nothing. Where they fit beside the device working set (the
-        distinct bytes a step uses there, the largest complete step seen, gradients left out)
-        with their chunk's gradient (:attr:`RESIDENT_ROOM`) and a margin
-        (:attr:`RESIDENT_MARGIN`), the chunk becomes resident: a chunk whose states are on the
-        device trades its gradient's write-back and its parameters' fetch, every step, for
-        their room. Where they fit without the gradient, or where the
-        device stays at least half free after them, they start on the device too, but as any
-        other block. (With an NVMe tier, a chunk in its first step whose new states start on
+        the device and moves nothing. Where a chunk's two states fit beside the device working
+        set (the distinct bytes a step uses there, the largest complete step seen, gradients
+        left out) together with its gradient, the chunk becomes resident (decided at its first
+        state, which takes the room of both): a chunk whose states are on the device trades its
+        gradient's write-back and its parameters' fetch, every step, for their room. Where a
+        state fits without that, or where the device stays at least half free after it, it
+        starts on the device too, but as any other block. (With an NVMe tier, a chunk in its first step whose new states start on
         the device beside its parameters and gradient is updated there in place, after the
         step's commit, so it needs no pre-step copies in host memory.) Everything else takes
         the fastest room."""
         if block.kind in OPTIMIZER_KINDS:
             self._device_capacity = capacity.get(DEVICE, 0)
-            if self._fits_beside_working_set(self.RESIDENT_ROOM * block.nbytes, capacity,
-                                             margin=self.RESIDENT_MARGIN):
-                self._home_on_device(block, self.RESIDENT_ROOM)
-                chunk = self.chunks.get(block.id)
-                if chunk is not None and chunk not in self._resident:
-                    self._resident.add(chunk)
-                    self._stale = None
+            chunk = self.chunks.get(block.id)
+            if chunk in self._resident:  # the chunk's first state took room for this one
+                self._home_on_device(block)
+                return DEVICE
+            grad = self._grad_of.get(chunk)
+            grad_bytes = 0 if grad in self._dev_now else self.sizes.get(grad, block.nbytes)
+            if chunk is not None and self._fits_beside_working_set(2 * block.nbytes + grad_bytes, capacity):
+                # Both states (the same size) and the gradient, which now stays on the device
+                # until the update: the working set counts it from here on.
+                self._resident.add(chunk)
+                self._stale = None
+                self._home_on_device(block)
+                self._ws_extra += grad_bytes
+                if grad is not None:
+                    self._use_device(grad, grad_bytes)
                 return DEVICE
             if (self._fits_beside_working_set(block.nbytes, capacity)
                     or free.get(DEVICE, 0) - block.nbytes >= capacity.get(DEVICE, 0) / 2):
