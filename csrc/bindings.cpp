@@ -113,7 +113,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<hetero::CopyEngine>(m, "CopyEngine",
                                  "Asynchronous host/device tensor copies: worker threads for "
                                  "host copies, dedicated CUDA streams for device copies.")
-      .def(py::init<int>(), py::arg("num_threads") = 2)
+      .def(py::init<int, int64_t>(), py::arg("num_threads") = 2, py::arg("inline_bytes") = -1)
       .def("copy", &hetero::CopyEngine::copy, py::arg("dst"), py::arg("src"), py::kw_only(),
            py::arg("after_stream") = py::none(), py::call_guard<py::gil_scoped_release>(),
            "Queue dst <- src (contiguous, same dtype and numel); returns a CopyHandle at once.")

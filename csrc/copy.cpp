@@ -213,8 +213,10 @@ bool CopyEngine::has_cuda() {
 #endif
 }
 
-CopyEngine::CopyEngine(int num_threads)
-    : num_threads_(num_threads), shared_(std::make_shared<CopyShared>()) {
+CopyEngine::CopyEngine(int num_threads, int64_t inline_bytes)
+    : num_threads_(num_threads),
+      inline_bytes_(inline_bytes < 0 ? kInlineBytes : inline_bytes),
+      shared_(std::make_shared<CopyShared>()) {
   if (num_threads < 1)
     throw std::invalid_argument("CopyEngine needs num_threads >= 1, got " +
                                 std::to_string(num_threads));
@@ -266,7 +268,7 @@ CopyHandle CopyEngine::copy(const at::Tensor& dst, const at::Tensor& src,
   r->src = src;
   reap();
   const bool inline_copy =
-      r->nbytes == 0 || (r->kind == CopyKind::kH2H && r->nbytes <= kInlineBytes && !after_stream);
+      r->nbytes == 0 || (r->kind == CopyKind::kH2H && r->nbytes <= inline_bytes_ && !after_stream);
   if (inline_copy) {  // nothing to move, or cheaper than a hand-off; the engine must be running
     {
       std::lock_guard<std::mutex> lk(shared_->mu);

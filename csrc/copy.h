@@ -11,9 +11,9 @@
 //    shapes may differ (it is a flat byte copy of nbytes, autograd is not involved). Same-device
 //    copies must not overlap in memory. A CUDA tensor needs a build with HETERO_CUDA.
 //  - CPU -> CPU: memcpy on the engine's worker threads (a copy of more than 2 x kSplitBytes is
-//    split into up to num_threads pieces that run in parallel). A copy of at most kInlineBytes
-//    (without after_stream) is done in the calling thread, as it takes less time than waking a
-//    worker; its handle is complete on return.
+//    split into up to num_threads pieces that run in parallel). A copy of at most inline_bytes
+//    (kInlineBytes unless the constructor says otherwise; without after_stream) is done in the
+//    calling thread, as it takes less time than waking a worker; its handle is complete on return.
 //  - Involving a CUDA tensor: cudaMemcpyAsync (cudaMemcpyPeerAsync across devices) on a stream the
 //    engine owns, created non-blocking (no implicit sync with the legacy default stream): one
 //    stream per device and direction (H2D, D2H, D2D; the stream of the CUDA tensor's device, of
@@ -74,10 +74,11 @@ class CopyEngine {
  public:
   // CPU copies larger than 2x this are split across worker threads.
   static constexpr int64_t kSplitBytes = int64_t(4) << 20;
-  // CPU copies up to this size are done in the calling thread.
+  // CPU copies up to this size are done in the calling thread (by default).
   static constexpr int64_t kInlineBytes = int64_t(64) << 10;
 
-  explicit CopyEngine(int num_threads);
+  // inline_bytes < 0: kInlineBytes. Tests pass 0 so that every host copy is asynchronous.
+  explicit CopyEngine(int num_threads, int64_t inline_bytes = -1);
   ~CopyEngine();
   CopyEngine(const CopyEngine&) = delete;
   CopyEngine& operator=(const CopyEngine&) = delete;
@@ -108,6 +109,7 @@ class CopyEngine {
   CopyHandle copy_cuda(std::shared_ptr<CopyRequest> r, std::optional<int64_t> after_stream);
 
   const int num_threads_;
+  const int64_t inline_bytes_;
   std::shared_ptr<CopyShared> shared_;  // its mutex guards everything below
   std::condition_variable work_cv_;     // queue_ gained pieces, or stopping_
   std::deque<Piece> queue_;

@@ -2,9 +2,10 @@
 
 Public API::
 
-    CopyEngine(num_threads=2)
+    CopyEngine(num_threads=2, inline_bytes=None)
         .copy(dst, src, *, after_stream=None) -> CopyHandle   (queued; returns at once)
-        .shutdown()    .backend ("extension" | "python")    .num_threads    context manager
+        .shutdown()    .backend ("extension" | "python")    .num_threads    .inline_bytes
+        context manager
     CopyHandle.wait() -> None          blocks (GIL released) until the copy is complete
     CopyHandle.done() -> bool          never blocks
     CopyHandle.wait_on_stream(stream)  makes a CUDA stream wait for the copy, on the GPU
@@ -25,7 +26,8 @@ RuntimeError. The caller must not write ``src`` or touch ``dst`` until the handl
 engine keeps both alive until then, so dropping them early is safe.
 
 - CPU -> CPU: memcpy on the engine's worker threads (the native engine splits copies of more
-  than 8 MiB across its threads). A copy of at most 64 KiB without ``after_stream`` is done in the
+  than 8 MiB across its threads). A copy of at most ``inline_bytes`` (None: ``INLINE_BYTES``,
+  64 KiB, as it is when the engine is made; tests set 0) without ``after_stream`` is done in the
   calling thread, since it takes less time than waking a worker: its handle is already done.
 - Involving a CUDA tensor: cudaMemcpyAsync on a non-blocking stream the engine owns (one per
   device and direction: H2D, D2H, D2D), followed by an event that ``wait``/``done`` use. Copies
@@ -71,7 +73,7 @@ else:
         EXTENSION_ERROR = "hetero._C has no CopyEngine (built from older sources; rebuild it)"
         _C = None
 
-INLINE_BYTES = 64 << 10  # host copies up to this size run in the calling thread (csrc/copy.h)
+INLINE_BYTES = 64 << 10  # host copies up to this size run in the calling thread (csrc/copy.h's default)
 _KINDS = {(False, False): "h2h", (False, True): "h2d", (True, False): "d2h", (True, True): "d2d"}
 
 
@@ -115,9 +117,13 @@ class CopyHandle:
 class CopyEngine:
     """Asynchronous copies on worker threads and dedicated CUDA streams (module docstring)."""
 
-    def __init__(self, num_threads: int = 2) -> None:
+    def __init__(self, num_threads: int = 2, inline_bytes: int | None = None) -> None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"CopyEngine: num_threads must be an int >= 1, got {num_threads!r}")
+        if inline_bytes is None:
+            inline_bytes = INLINE_BYTES
+        if isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0:
+            raise ValueError(f"CopyEngine: inline_bytes must be an int >= 0 or None, got {inline_bytes!r}")
         forced = os.environ.get("HETERO_FORCE_PYTHON_COPY", "") not in ("", "0")
         if forced:
             why = "HETERO_FORCE_PYTHON_COPY is set"
@@ -128,13 +134,13 @@ class CopyEngine:
         else:
             why = None
         if why is None:
-            self._engine = _C.CopyEngine(num_threads)
+            self._engine = _C.CopyEngine(num_threads, inline_bytes)
             self.backend = "extension"
         else:
-            self._engine = _PyCopyEngine(num_threads)
+            self._engine = _PyCopyEngine(num_threads, inline_bytes)
             self.backend = "python"
             _log_fallback(why, forced)
-        self.num_threads = num_threads
+        self.num_threads, self.inline_bytes = num_threads, inline_bytes
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *,
              after_stream: int | Any | None = None) -> CopyHandle:
@@ -277,8 +283,9 @@ class _PyHandle:
 class _PyCopyEngine:
     """Pure-Python stand-in for ``hetero._C.CopyEngine``."""
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, inline_bytes: int) -> None:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hetero-copy")
+        self._inline_bytes = inline_bytes
         self._lock = threading.Lock()
         self._closed = False
         self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
@@ -292,7 +299,7 @@ class _PyCopyEngine:
                 raise RuntimeError("CopyEngine is shut down")
             if dst.nbytes == 0:
                 return _PyHandle(0, kind)
-            if kind == "h2h" and dst.nbytes <= INLINE_BYTES and after_stream is None:
+            if kind == "h2h" and dst.nbytes <= self._inline_bytes and after_stream is None:
                 _host_copy(dst, src, None)
                 return _PyHandle(dst.nbytes, kind)
             if kind == "h2h":

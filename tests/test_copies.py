@@ -262,6 +262,30 @@ def test_native_engine_splits_large_copies_across_threads() -> None:
     eng.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["extension", "python"])
+def test_inline_bytes_sets_which_host_copies_are_done_in_the_calling_thread(backend, monkeypatch) -> None:
+    """inline_bytes=0 hands every host copy to a worker (tests use it to have copies in flight
+    with small blocks); the module's INLINE_BYTES is the default when the engine is made; bad
+    values are refused, naming the argument."""
+    copy_engine(backend, monkeypatch).shutdown()  # skips where the backend is not built
+    monkeypatch.setattr(copies, "INLINE_BYTES", 0)
+    src = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+    for eng in (copies.CopyEngine(2), copies.CopyEngine(2, inline_bytes=0)):
+        assert eng.inline_bytes == 0
+        dst = torch.zeros_like(src)
+        eng.copy(dst, src).wait()
+        assert torch.equal(dst, src)
+        eng.shutdown()
+    big = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)  # above the default
+    eng = copies.CopyEngine(2, inline_bytes=1 << 20)
+    dst = torch.zeros_like(big)
+    assert eng.copy(dst, big).done() and torch.equal(dst, big)
+    eng.shutdown()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="inline_bytes"):
+            copies.CopyEngine(2, inline_bytes=bad)
+
+
 def test_small_host_copies_are_done_in_the_calling_thread(engine) -> None:
     """Up to INLINE_BYTES a hand-off to a worker costs more than the memcpy: done on return."""
     for n in (1, 1000, copies.INLINE_BYTES):

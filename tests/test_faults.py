@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hetero
-from hetero import engine
+from hetero import copies, engine
 from helpers import (assert_failed_step_changes_nothing, assert_same_model, assert_same_state,
                      assert_within_budgets, budgets, default_step, snapshot)
 from models import GPT, batches, state_bytes
@@ -50,8 +50,15 @@ def setup(path) -> tuple[hetero.HeteroModule, torch.optim.Optimizer, list]:
     return model, opt, batches(6, seed=3)
 
 
-@pytest.mark.parametrize("kind", ["eio", "enospc", "short"])
-def test_fault_anywhere_in_a_step_changes_nothing_and_training_goes_on(kind, tmp_path) -> None:
+@pytest.mark.parametrize("kind,host_copies", [("eio", "inline"), ("enospc", "inline"), ("short", "inline"),
+                                              ("eio", "async")])
+def test_fault_anywhere_in_a_step_changes_nothing_and_training_goes_on(kind, host_copies, tmp_path,
+                                                                       monkeypatch) -> None:
+    """``async``: every host copy runs on the copy engine's workers (the tests' blocks are small
+    enough to be copied inline otherwise), so a fault finds host <-> device copies in flight, as
+    on a GPU."""
+    if host_copies == "async":
+        monkeypatch.setattr(copies, "INLINE_BYTES", 0)
     n = swap_requests_per_step(tmp_path)
     assert n > 20, "the configuration must swap during a step"
     # Faults at spread-out positions: forward, backward and optimizer step transfers alike (every
@@ -59,6 +66,8 @@ def test_fault_anywhere_in_a_step_changes_nothing_and_training_goes_on(kind, tmp
     fractions = (0, 0.2, 0.4, 0.6, 0.8, 1) if kind == "eio" else (0.1, 0.5, 0.9)
     for k, after in enumerate(sorted({min(n - 2, int(f * n)) for f in fractions})):
         model, opt, data = setup(tmp_path / f"{kind}{k}")
+        copier = model._hetero_state.runtime.storage.copier
+        assert copier.inline_bytes == (0 if host_copies == "async" else copies.INLINE_BYTES)
         ref = make()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         for b in data[:2]:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import hetero
 import hetero.runtime as R
-from hetero import engine
+from hetero import copies, engine
 from hetero.errors import HeteroIOError, HeteroOOMError
 from hetero.policies import Policy, make_policy
 from hetero.simulator import SimBlock, SimStorage
@@ -690,19 +690,22 @@ def _first_step_ready(path: str, policy: str):
     return model, opt, rt
 
 
-@pytest.mark.parametrize("policy,device,host,bf16", [("auto", 0.5, 0.21, False), ("opt", 0.8, 0.21, False),
-                                                      ("lru", 0.3, 0.21, False), ("hotness", 0.3, 0.21, False),
-                                                      ("lru", 0.3, 0.3, True)])
-def test_a_host_tier_too_small_for_the_shadows_moves_them_to_nvme(policy, device, host, bf16, swapdir,
-                                                                  faults, caplog) -> None:
+@pytest.mark.parametrize("policy,device,host,bf16,async_copies", [
+    ("auto", 0.5, 0.21, False, False), ("opt", 0.8, 0.21, False, False), ("lru", 0.3, 0.21, False, False),
+    ("hotness", 0.3, 0.21, False, False), ("lru", 0.3, 0.3, True, False), ("auto", 0.5, 0.21, False, True)])
+def test_a_host_tier_too_small_for_the_shadows_moves_them_to_nvme(policy, device, host, bf16, async_copies,
+                                                                  swapdir, faults, caplog, monkeypatch) -> None:
     """The first step writes every chunk, and each written block keeps its previous copy (its
     shadow) until the commit. With these host budgets the shadows did not all fit: the step gave
     some up, logged that it could no longer be undone, and a fault after that left chunks
     updated (found in review; 8 of 144 small configurations). A shadow that needs the host's room
     now moves to NVMe. Every NVMe transfer of the step fails in turn (shadow writes included,
     whose failure puts the shadow back on the host); each time the step raises and changes
-    nothing, and no step gives up its guarantee."""
+    nothing, and no step gives up its guarantee. ``async_copies``: every host copy runs on the
+    copy engine's workers, so faults find host <-> device copies in flight, as on a GPU."""
     kw = {"mixed_precision": hetero.MixedPrecision(param_dtype=torch.bfloat16)} if bf16 else {}
+    if async_copies:
+        monkeypatch.setattr(copies, "INLINE_BYTES", 0)
 
     def ready(path: str):
         model = wrap_gpt(path, device, host, policy, **kw)
