@@ -174,8 +174,9 @@ def plot(results: list[dict], path: str) -> None:
 
     models = list(dict.fromkeys(r["model"] for r in results))
     fracs = list(dict.fromkeys(r["device_frac"] for r in results))
-    fig, axes = plt.subplots(3, len(models), figsize=(4 * len(models), 9.5), sharey="row", squeeze=False)
+    fig, axes = plt.subplots(4, len(models), figsize=(4 * len(models), 12.5), sharey="row", squeeze=False)
     width = 0.8 / len(POLICIES)
+    ticks = ([i + 0.4 - width / 2 for i in range(len(fracs))], [f"{f:.0%}" for f in fracs])
     for row, (key, label) in enumerate([("ratio_coresident", "replay / co-resident bound"),
                                         ("ratio", "replay / Belady page bound"),
                                         ("ratio_real", "real run / its own\nco-resident bound")]):
@@ -190,12 +191,22 @@ def plot(results: list[dict], path: str) -> None:
                         ax.text(x, YMAX, f"{y:.1f}", rotation=90, ha="center", va="top", fontsize="x-small")
             ax.axhline(1.0, color="k", lw=0.8)
             ax.axhline(1.2 if m == "moe" else 1.05, color="r", lw=0.8, ls="--")
-            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(fracs))], [f"{f:.0%}" for f in fracs])
+            ax.set_xticks(*ticks)
             ax.set_title(m)
             ax.set_ylim(0.9, YMAX)
-            if row == 2:
-                ax.set_xlabel("device budget (of state)")
         axes[row][0].set_ylabel(label)
+    # The bytes themselves: a ratio hides them where the bound is near zero (a routed model whose
+    # experts all fit on the device once the router has picked them).
+    for ax, m in zip(axes[3], models):
+        for k, p in enumerate(POLICIES):
+            ys = [next((r["real_device_bytes"] or 0) / 2**20 for r in results if r["model"] == m
+                       and r["policy"] == p and r["device_frac"] == f) for f in fracs]
+            ax.bar([i + k * width for i in range(len(fracs))], ys, width, label=p)
+        ax.set_yscale("log")
+        ax.set_xticks(*ticks)
+        ax.set_title(m)
+        ax.set_xlabel("device budget (of state)")
+    axes[3][0].set_ylabel("real run: MiB fetched\nonto the device")
     axes[0][-1].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
