@@ -693,8 +693,8 @@ def _first_step_ready(path: str, policy: str):
 @pytest.mark.parametrize("policy,device,host,bf16,async_copies", [
     ("auto", 0.5, 0.21, False, False), ("opt", 0.8, 0.21, False, False), ("lru", 0.3, 0.21, False, False),
     ("hotness", 0.3, 0.21, False, False), ("lru", 0.3, 0.3, True, False), ("auto", 0.5, 0.21, False, True)])
-def test_a_host_tier_too_small_for_the_shadows_moves_them_to_nvme(policy, device, host, bf16, async_copies,
-                                                                  swapdir, faults, caplog, monkeypatch) -> None:
+def test_a_host_tier_too_small_for_the_shadows_moves_them_to_nvme(
+        policy, device, host, bf16, async_copies, swapdir, faults, caplog, monkeypatch) -> None:
     """The first step writes every chunk, and each written block keeps its previous copy (its
     shadow) until the commit. With these host budgets the shadows did not all fit: the step gave
     some up, logged that it could no longer be undone, and a fault after that left chunks

@@ -180,9 +180,9 @@ class Opt(Policy):
         ws = max(self._ws_max + self._ws_extra, self._ws_now)
         return bool(ws) and ws + nbytes <= capacity.get(DEVICE, 0)
 
-    #: room an optimizer state takes on the device beside the working set, in its own bytes:
-    #: itself and half its chunk's gradient (two states share one), which stays on the device
-    #: until the chunk's update there
+    #: room a state settled on the device (one at a time, see settle) takes beside the working
+    #: set, in its own bytes: itself and half its chunk's gradient (two states share one), which
+    #: stays on the device until the chunk's update there
     RESIDENT_ROOM = 1.5
 
     def _home_on_device(self, block: BlockInfo, room: float = 1.0) -> None:
@@ -228,10 +228,10 @@ class Opt(Policy):
         state, which takes the room of both): a chunk whose states are on the device trades its
         gradient's write-back and its parameters' fetch, every step, for their room. Where a
         state fits without that, or where the device stays at least half free after it, it
-        starts on the device too, but as any other block. (With an NVMe tier, a chunk in its first step whose new states start on
-        the device beside its parameters and gradient is updated there in place, after the
-        step's commit, so it needs no pre-step copies in host memory.) Everything else takes
-        the fastest room."""
+        starts on the device too, but as any other block. (With an NVMe tier, a chunk in its
+        first step whose new states start on the device beside its parameters and gradient is
+        updated there in place, after the step's commit, so it needs no pre-step copies in host
+        memory.) Everything else takes the fastest room."""
         if block.kind in OPTIMIZER_KINDS:
             self._device_capacity = capacity.get(DEVICE, 0)
             chunk = self.chunks.get(block.id)
@@ -240,7 +240,8 @@ class Opt(Policy):
                 return DEVICE
             grad = self._grad_of.get(chunk)
             grad_bytes = 0 if grad in self._dev_now else self.sizes.get(grad, block.nbytes)
-            if chunk is not None and self._fits_beside_working_set(2 * block.nbytes + grad_bytes, capacity):
+            if chunk is not None and self._fits_beside_working_set(2 * block.nbytes + grad_bytes,
+                                                                   capacity):
                 # Both states (the same size) and the gradient, which now stays on the device
                 # until the update: the working set counts it from here on.
                 self._resident.add(chunk)
