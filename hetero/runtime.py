@@ -383,6 +383,7 @@ class Runtime:
         txn, self._txn = self._txn, None
         for block, (tier, loc) in txn.shadows.items():
             self._release_shadow(block, tier, loc)
+        txn.shadows.clear()  # (a shadow write still in flight that fails has nothing to restore)
 
     def rollback(self) -> None:
         self.tracker.event("rollback")
@@ -519,8 +520,11 @@ class Runtime:
 
     def _undo_demotion(self, op: Op) -> None:
         """Revert a failed :meth:`_demote_shadow`: the host slots it read were never overwritten
-        (every transfer into them depended on it and was undone first)."""
+        (every transfer into them depended on it and was undone first). Nothing to put back if
+        the transaction gave that shadow up since (NVMe needed its room) or has ended."""
         block, txn = op.block, op.shadow
+        if txn.shadows.get(block) != (NVME, op.dst_loc):
+            return
         self._release_shadow(block, NVME, op.dst_loc)
         self.storage.adopt(block, HOST, op.src_loc, owner=_Shadow(block))
         host = self.tiers[HOST]

@@ -294,3 +294,30 @@ def test_small_host_copies_are_done_in_the_calling_thread(engine) -> None:
         h = engine.copy(dst, src)
         assert h.done() and torch.equal(dst, src)
         h.wait()
+
+
+def test_an_extension_built_before_inline_bytes_is_not_used(monkeypatch) -> None:
+    """A stale hetero._C whose CopyEngine takes no inline_bytes would raise TypeError at the
+    first CopyEngine(); the module falls back to the Python engine and says why instead."""
+    import importlib
+    import sys
+    import types
+
+    import hetero
+
+    class OldCopyEngine:
+        def __init__(self, num_threads: int = 2) -> None:
+            pass
+
+    fake = types.SimpleNamespace(CopyEngine=OldCopyEngine, COPY_CUDA=False)
+    monkeypatch.setitem(sys.modules, "hetero._C", fake)
+    monkeypatch.setattr(hetero, "_C", fake, raising=False)
+    try:
+        importlib.reload(copies)
+        assert copies._C is None and "inline_bytes" in copies.EXTENSION_ERROR
+        with copies.CopyEngine(1) as eng:
+            assert eng.backend == "python"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(copies)
+    assert copies.EXTENSION_ERROR is None or "inline_bytes" not in copies.EXTENSION_ERROR

@@ -240,6 +240,7 @@ def state_dicts_around_a_clipped_mixed_precision_step(model, opt, when, i):
 
 def test_state_dict_after_a_deferred_mixed_precision_step(monkeypatch) -> None:
     slow_kernel(monkeypatch, SLOW_FUZZ)
-    kw = dict(mp=torch.bfloat16, device=0.15, host=1.6, prefetch=4, steps=3)
+    # (host 2.0: with 8 KiB slots the blocks take 1.8x the state's bytes; 1.6 fit only by luck)
+    kw = dict(mp=torch.bfloat16, device=0.15, host=2.0, prefetch=4, steps=3)
     between = state_dicts_around_a_clipped_mixed_precision_step
     assert_same_run(train(monkeypatch, "0", between, **kw), train(monkeypatch, "1", between, **kw))

@@ -735,6 +735,56 @@ def test_a_host_tier_too_small_for_the_shadows_moves_them_to_nvme(
         close_model(model)
 
 
+@pytest.mark.parametrize("then", ["given up", "committed"])
+def test_a_shadow_write_that_fails_after_the_shadow_is_gone_restores_nothing(then) -> None:
+    """A host shadow moved to NVMe may be given up while its write is in flight (NVMe needed the
+    room), or its transaction may commit first; if that write then fails, there is no shadow to
+    put back. Putting it back freed its NVMe slots a second time (found in review). Sim storage
+    whose one shadow write fails late."""
+
+    class Pending:
+        def done(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            raise HeteroIOError("injected: the shadow write failed")
+
+    class FailingShadowWrite(SimStorage):
+        def copy(self, block, src, src_loc, dst, dst_loc):
+            if block.id == "a" and (src, dst) == (HOST, NVME):
+                return Pending()
+            return super().copy(block, src, src_loc, dst, dst_loc)
+
+    caps = {DEVICE: 8 * SLOT, HOST: 2 * SLOT, NVME: 2 * SLOT}
+    rt = R.Runtime(caps, SLOT, Scripted(), FailingShadowWrite(caps, SLOT), 0)
+    n1, a, b, c = (TB(x, SLOT // 4) for x in ("n1", "a", "b", "c"))
+    rt.create(n1, tier=NVME)
+    rt.create(a, tier=DEVICE)
+    rt.acquire([a], HOST)  # a on the device and the host
+    rt.release([a], HOST)
+    rt.create(c, tier=HOST)
+    rt.create(b, tier=DEVICE)
+    rt.begin()
+    rt.acquire([a], DEVICE, write=True)  # a's host copy is its shadow; the host is full
+    rt.release([a], DEVICE)
+    rt.protect([c])
+    assert rt.ensure_shadow(b, DEVICE)  # needs the host: a's shadow moves to NVMe (pending)
+    assert rt._txn.shadows[a][0] == NVME
+    if then == "given up":
+        rt.ensure_shadow(c, HOST)  # NVMe is full: a's shadow is given up
+        assert a not in rt._txn.shadows
+        with pytest.raises(HeteroIOError):
+            rt.drain()
+        rt.rollback()
+    else:
+        rt.commit()
+        with pytest.raises(HeteroIOError):
+            rt.drain()
+    for name, t in rt.tiers.items():
+        assert t.used == sum(rt._size_on(name, x) for x in (n1, a, b, c) if name in x.tiers), name
+    assert a.tiers == {DEVICE} and b.tiers == {DEVICE} and c.tiers == {HOST}
+
+
 @pytest.mark.parametrize("policy", ["auto", "lru", "hotness"])
 def test_a_failure_late_in_the_first_step(policy, swapdir, faults) -> None:
     """The first step creates every optimizer state inside its transaction. A swap fault in its

@@ -24,9 +24,9 @@ import types
 from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 DEVICE, HOST, NVME = "device", "host", "nvme"
-GRAD = "grad"
+GRAD, MASTER = "grad", "master"
 TIER_ORDER = (DEVICE, HOST, NVME)
-OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+OPTIMIZER_KINDS = (MASTER, "exp_avg", "exp_avg_sq")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .base import DEVICE, GRAD, HOST, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
+from .base import DEVICE, GRAD, HOST, MASTER, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
 from .hotness import Hotness
 
 
@@ -55,6 +55,7 @@ class Opt(Policy):
         self._guessed: set[str] = set()  # predicted by the fallback: their keys move every access
         self._resident: set[str] = set()  # chunks given the device for good (see home)
         self._grad_of: dict[str, str] = {}  # chunk -> its gradient block, once seen on the device
+        self._master_of: dict[str, str] = {}  # chunk -> its fp32 master (mixed precision)
         self._updated_here: set[str] = set()  # chunks updated on the device this step
         self._device_capacity = math.inf  # as home and settle last saw it
 
@@ -219,6 +220,26 @@ class Opt(Policy):
         if self._stale is not None:
             self._stale |= moved
 
+    def _make_resident(self, block: BlockInfo, chunk: Optional[str], capacity: Mapping[str, int]) -> bool:
+        """At a chunk's first Adam state, once its gradient has been seen (after a backward, so
+        with the step's working set known): make the chunk resident where there is room for
+        both states (the same size) and for the gradient and the master (mixed precision)
+        unless already counted, which stay on the device from then on."""
+        grad = self._grad_of.get(chunk)
+        if grad is None:
+            return False
+        also = [b for b in (grad, self._master_of.get(chunk)) if b is not None and b not in self._dev_now]
+        extra = sum(self.sizes.get(b, 0) for b in also)
+        if not self._fits_beside_working_set(2 * block.nbytes + extra, capacity):
+            return False
+        self._resident.add(chunk)
+        self._stale = None
+        self._home_on_device(block)
+        self._ws_extra += extra
+        for b in also:
+            self._use_device(b, self.sizes.get(b, 0))
+        return True
+
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
         """Optimizer states are used once a step (long reuse distance): they take the device only
         where they cannot push out what every step needs there, so their chunk's update runs on
@@ -235,21 +256,12 @@ class Opt(Policy):
         if block.kind in OPTIMIZER_KINDS:
             self._device_capacity = capacity.get(DEVICE, 0)
             chunk = self.chunks.get(block.id)
-            if chunk in self._resident:  # the chunk's first state took room for this one
-                self._home_on_device(block)
+            if block.kind == MASTER:  # made at wrap, before any step: never resident by itself
+                self._master_of[chunk] = block.id
+            elif chunk in self._resident:  # the chunk's first Adam state took room for this one
+                self._home_on_device(block)  # (the optimizer creates the two back to back)
                 return DEVICE
-            grad = self._grad_of.get(chunk)
-            grad_bytes = 0 if grad in self._dev_now else self.sizes.get(grad, block.nbytes)
-            if chunk is not None and self._fits_beside_working_set(2 * block.nbytes + grad_bytes,
-                                                                   capacity):
-                # Both states (the same size) and the gradient, which now stays on the device
-                # until the update: the working set counts it from here on.
-                self._resident.add(chunk)
-                self._stale = None
-                self._home_on_device(block)
-                self._ws_extra += grad_bytes
-                if grad is not None:
-                    self._use_device(grad, grad_bytes)
+            elif self._make_resident(block, chunk, capacity):
                 return DEVICE
             if (self._fits_beside_working_set(block.nbytes, capacity)
                     or free.get(DEVICE, 0) - block.nbytes >= capacity.get(DEVICE, 0) / 2):
