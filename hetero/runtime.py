@@ -508,8 +508,7 @@ class Runtime:
         dst = self.storage.hold(NVME, block.nbytes, _Shadow(block))
         if dst is None:
             return False
-        nvme.reserve(need)
-        self.tracker.used(NVME, nvme.used)
+        self._reserve(block, NVME)
         txn.shadows[block] = (NVME, dst)
         self._release_shadow(block, HOST, loc)
         self.tracker.count(block.id, HOST, NVME, block.nbytes, False)
@@ -527,9 +526,7 @@ class Runtime:
             return
         self._release_shadow(block, NVME, op.dst_loc)
         self.storage.adopt(block, HOST, op.src_loc, owner=_Shadow(block))
-        host = self.tiers[HOST]
-        host.reserve(self._size_on(HOST, block))
-        self.tracker.used(HOST, host.used)
+        self._reserve(block, HOST)
         txn.shadows[block] = (HOST, op.src_loc)
 
     def _release_shadow(self, block: Block, tier: str, loc: Any) -> None:
@@ -537,9 +534,7 @@ class Runtime:
             self.storage.release(block, DEVICE)
         else:
             self.storage.forget_at(tier, loc, block.nbytes)
-        t = self.tiers[tier]
-        t.release(self._size_on(tier, block))
-        self.tracker.used(tier, t.used)
+        self._unreserve(block, tier)
 
     def _rollback(self, txn: "_Transaction") -> None:
         """Put every block written in ``txn`` back to its shadow; discard blocks it created."""
@@ -639,6 +634,17 @@ class Runtime:
             info = self._infos[key] = BlockInfo(block.id, block.kind, block.nbytes, clean_below=key[1])
         return info
 
+    def _reserve(self, block: Block, tier: str) -> None:
+        """Take ``block``'s bytes on ``tier`` (whole slots below the device) from its budget."""
+        t = self.tiers[tier]
+        t.reserve(self._size_on(tier, block))
+        self.tracker.used(tier, t.used)
+
+    def _unreserve(self, block: Block, tier: str) -> None:
+        t = self.tiers[tier]
+        t.release(self._size_on(tier, block))
+        self.tracker.used(tier, t.used)
+
     def _size_on(self, tier: str, block: Block) -> int:
         """Bytes ``block`` takes from ``tier``'s budget: whole slots below the device."""
         return block.nbytes if tier == DEVICE else slots_for(block.nbytes, self.slot_size) * self.slot_size
@@ -682,8 +688,7 @@ class Runtime:
             raise HeteroOOMError(self._oom_message(block, tier, "the block is larger than the budget"))
         while True:
             if t.free >= need and self.storage.place(block, tier):
-                t.reserve(need)
-                self.tracker.used(tier, t.used)
+                self._reserve(block, tier)
                 return
             if t.free < need:
                 victim = self._victims.choose(tier, self._on[tier], self._info,
@@ -746,9 +751,7 @@ class Runtime:
             self.storage.on_device(block, False)
         self.storage.forget(block, tier)
         self._remove_copy(block, tier)
-        t = self.tiers[tier]
-        t.release(self._size_on(tier, block))
-        self.tracker.used(tier, t.used)
+        self._unreserve(block, tier)
 
     def _free(self, block: Block, tier: str, restorable: bool = True) -> None:
         """Drop ``block``'s copy on ``tier`` and give its memory back — at once, or (when
@@ -885,9 +888,7 @@ class Runtime:
                 self.storage.release(block, op.dst)
             if op.freed_src and op.restorable:
                 self.storage.adopt(block, op.src, op.src_loc)
-                t = self.tiers[op.src]
-                t.reserve(self._size_on(op.src, block))
-                self.tracker.used(op.src, t.used)
+                self._reserve(block, op.src)
                 self._add_copy(block, op.src)
         log.warning("hetero: a transfer failed; undid %d transfer(s): %s", len(bad),
                     ", ".join(map(repr, sorted(bad, key=lambda o: o.seq))))

@@ -680,8 +680,8 @@ def test_a_hint_that_finds_no_room_is_dropped(rig) -> None:
     rt.release([h], HOST)
 
 
-def _first_step_ready(path: str, policy: str):
-    model = wrap_gpt(path, 0.8, 0.3, policy)
+def _first_step_ready(path: str, policy: str, device: float = 0.8, host: float = 0.3, **kw):
+    model = wrap_gpt(path, device, host, policy, **kw)
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = batches(1, seed=1)[0]
     model(x, y).backward()
@@ -708,11 +708,7 @@ def test_a_host_tier_too_small_for_the_shadows_moves_them_to_nvme(
         monkeypatch.setattr(copies, "INLINE_BYTES", 0)
 
     def ready(path: str):
-        model = wrap_gpt(path, device, host, policy, **kw)
-        opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-        x, y = batches(1, seed=1)[0]
-        model(x, y).backward()
-        model._hetero_state.runtime.drain()
+        model, opt, _ = _first_step_ready(path, policy, device, host, **kw)
         return model, opt, snapshot(model, opt)  # (reading the state moves blocks: before counting)
 
     model, opt, _ = ready(swapdir + "/count")
