@@ -130,16 +130,27 @@ class SlotPool:
         """The owners to evict to free a run for ``nbytes``: the run of ``slots_for(nbytes)``
         slots holding only free slots and evictable owners, with the fewest occupied slots."""
         n = self.slots_for(nbytes)
-        best: Optional[tuple[int, int]] = None
-        for start in range(len(self.owner) - n + 1):
-            run = self.owner[start:start + n]
-            if all(o is None or evictable(o) for o in run):
-                cost = sum(o is not None for o in run)
-                if best is None or cost < best[0]:
-                    best = (cost, start)
+        owners = self.owner
+        movable: dict[int, bool] = {}  # evictable() once per owner, not once per slot and run
+        best: Optional[tuple[int, int]] = None  # (occupied slots, first slot), the first cheapest
+        occupied = blocked = 0  # in the run of n slots ending at slot i
+        for i, o in enumerate(owners):
+            if o is not None:
+                ok = movable.get(id(o))
+                if ok is None:
+                    ok = movable[id(o)] = bool(evictable(o))
+                occupied += 1
+                blocked += not ok
+            if i >= n and owners[i - n] is not None:  # the slot leaving the run
+                occupied -= 1
+                blocked -= not movable[id(owners[i - n])]
+            if i >= n - 1 and not blocked and (best is None or occupied < best[0]):
+                best = (occupied, i - n + 1)
+                if not occupied:
+                    break  # a free run: nothing can be cheaper
         if best is None:
             return None
-        run = self.owner[best[1]:best[1] + n]
+        run = owners[best[1]:best[1] + n]
         return list({id(o): o for o in run if o is not None}.values())
 
 

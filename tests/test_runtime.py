@@ -49,6 +49,28 @@ def test_slot_pool_never_overlaps_and_frees(ops) -> None:
     assert pool.alloc(160, object()) == 0
 
 
+def _window(owners: list, n: int, evictable):
+    """Reference window: the owners in the first run of ``n`` slots of free slots and evictable
+    owners with the fewest occupied slots, or None."""
+    runs = [(sum(o is not None for o in owners[i:i + n]), i) for i in range(len(owners) - n + 1)
+            if all(o is None or evictable(o) for o in owners[i:i + n])]
+    if not runs:
+        return None
+    start = min(runs)[1]
+    return list({id(o): o for o in owners[start:start + n] if o is not None}.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=40), st.integers(1, 12), st.sets(st.integers(1, 6)))
+def test_slot_pool_window_is_the_cheapest_run(layout, n, pinned) -> None:
+    """Owner 0 is a free slot; equal numbers in a row are one owner spanning several slots."""
+    owners = [object() for _ in range(7)]
+    pool = SlotPool(len(layout), 10)
+    pool.owner = [None if k == 0 else owners[k] for k in layout]
+    evictable = lambda o: owners.index(o) not in pinned  # noqa: E731
+    assert pool.window(n * 10, evictable) == _window(pool.owner, n, evictable)
+
+
 def test_slot_pool_window_names_the_cheapest_evictions() -> None:
     pool = SlotPool(6, 10)
     a, b, c, d = (object() for _ in range(4))
