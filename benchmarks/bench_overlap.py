@@ -5,7 +5,8 @@
     python benchmarks/bench_overlap.py --json out.json
     python benchmarks/bench_overlap.py --device cuda --model large --chunk-size 64MiB  # on a GPU
 
-Configurations (same model, seed and batches; stepped in turn, so all see the same machine load):
+Configurations (same model, seed and batches; trained in turns of ``--turn`` steps, so that all see
+the same machine load):
   eager      torch.optim.AdamW, everything resident: the compute-only time
   resident   hetero, no budget: everything on the device
   device25   hetero, device budget 25% of the training state, host the rest
@@ -41,7 +42,7 @@ from tqdm import tqdm
 import hetero
 from hetero import models
 
-WARMUP = 3  # steps left out of the median: the first records the sequence, the next lock on
+WARMUP = 3  # steps left out of the traffic medians: the first records the sequence, the next lock on
 
 
 def fio_speed(directory: str, size_mib: int = 256) -> dict[str, float] | None:
@@ -98,8 +99,8 @@ def io_seconds(read_bytes: float, write_bytes: float, disk: dict) -> float:
 
 
 class Run:
-    """One configuration being trained (a step at a time, interleaved with the others so that all
-    see the same machine load)."""
+    """One configuration being trained (a turn of steps at a time, interleaved with the others so
+    that all see the same machine load)."""
 
     def __init__(self, name: str, cfg: models.GPTConfig, args: argparse.Namespace,
                  wrap_kwargs: dict | None) -> None:
@@ -115,22 +116,30 @@ class Run:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.times: list[float] = []
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        x, y = x.to(self.device), y.to(self.device)
+    def turn(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Train on ``batches`` back to back and record the time per step, up to the moment all
+        their work is done. hetero's host optimizer updates and write-backs run in the
+        background (the next forward waits only for what it needs): timed step by step, the
+        rest of a step would run into the next configuration's time. Within a turn they overlap
+        the next step as in training; only the last step's are waited for."""
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        loss = self.model(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        loss.item()
+        for x, y in batches:
+            loss = self.model(x, y)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            loss.item()
+        if self.wrapped:
+            self.model._hetero_state.runtime.drain()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter() - t0)
+        self.times.append((time.perf_counter() - t0) / len(batches))
 
     def result(self, steps: int) -> dict:
-        out = {"step_s": statistics.median(self.times[WARMUP:])}
+        out = {"step_s": statistics.median(self.times[1:] or self.times)}  # the first turn warms up
         if self.wrapped:
             report = self.model.placement_report()
             d = report.as_dict()
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="small", choices=sorted(models.PRESETS))
     p.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--turn", type=int, default=5, help="steps a configuration trains before the next one's turn")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--chunk-size", default="256KiB")
     p.add_argument("--seed", type=int, default=0)
@@ -169,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     steps = 8 if args.quick else args.steps
+    turn = min(args.turn, max(1, steps // 2))
+    steps -= steps % turn
     cfg = models.get_config(args.model)
     state = models.state_bytes(models.GPT(cfg))
     swap_dir = tempfile.mkdtemp(prefix="bench-overlap-", dir=args.nvme_path or ".")
@@ -185,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         runs = [Run(name, cfg, args, kw) for name, kw in configs.items()]
         data = models.MarkovData(cfg.vocab_size, seed=args.seed)
-        for _ in tqdm(range(steps), desc="steps", disable=args.no_progress):
-            x, y = data.batch(args.batch_size, cfg.block_size)
+        for _ in tqdm(range(steps // turn), desc=f"turns of {turn} steps", disable=args.no_progress):
+            batches = [data.batch(args.batch_size, cfg.block_size) for _ in range(turn)]
             for r in runs:
-                r.step(x, y)
+                r.turn(batches)
         res = {r.name: r.result(steps) for r in runs}
     finally:
         shutil.rmtree(swap_dir, ignore_errors=True)
@@ -196,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     nv = res["nvme_opt"]
     io_s = io_seconds(nv["read_bytes"], nv["write_bytes"], disk)
     summary = {
-        "model": args.model, "device": args.device, "state_bytes": state, "steps": steps, "disk": disk,
+        "model": args.model, "device": args.device, "state_bytes": state, "steps": steps, "turn": turn,
+        "disk": disk,
         "configs": res, "compute_s": compute, "nvme_io_s": io_s,
         "ratios": {
             "resident/eager": res["resident"]["step_s"] / compute,
@@ -205,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     print(f"model {args.model} on {args.device}: training state {state / 2**20:.2f} MiB; {steps} steps per configuration "
-          f"(median of the last {steps - WARMUP}); disk ({disk_tool}): read {disk['read_GBps']:.2f} GB/s, "
+          f"in turns of {turn} (step time: median over the last {steps // turn - 1} turns); disk ({disk_tool}): "
+          f"read {disk['read_GBps']:.2f} GB/s, "
           f"write {disk['write_GBps']:.2f} GB/s")
     print(f"{'config':<10} {'step s':>8} {'stall s':>8} {'logic s':>8} {'nvme rd MiB':>12} {'nvme wr MiB':>12} "
           f"{'h2d MiB':>8}")
