@@ -53,7 +53,7 @@ class Opt(Policy):
         # Blocks whose victim key may have changed since changed_keys (None: any block's).
         self._stale: Optional[set[str]] = None
         self._guessed: set[str] = set()  # predicted by the fallback: their keys move every access
-        self._resident: set[str] = set()  # chunks given the device for good (see home)
+        self._resident: dict[str, None] = {}  # chunks given the device for good, in grant order (see home)
         self._grad_of: dict[str, str] = {}  # chunk -> its gradient block, once seen on the device
         self._master_of: dict[str, str] = {}  # chunk -> its fp32 master (mixed precision)
         self._updated_here: set[str] = set()  # chunks updated on the device this step
@@ -82,15 +82,16 @@ class Opt(Policy):
             chunks = {self.chunks[b] for b in blocks if b in self.chunks}
             if tier == DEVICE:
                 self._updated_here |= chunks
-            elif chunks & self._resident:  # pushed below after all: it moves like any other
-                self._resident -= chunks
+            elif chunks & self._resident.keys():  # pushed below after all: it moves like any other
+                self._resident = {c: None for c in self._resident if c not in chunks}
                 self._stale = None
 
     def _needs_device(self) -> int:
         """The distinct bytes this step used on the device that it needs there: all but the
-        optimizer states of chunks that are not resident (any tier would do for them)."""
+        optimizer states and gradients of chunks that are not resident (any tier would do for
+        the states; such a gradient leaves at its chunk's update below)."""
         return sum(self.sizes.get(b, 0) for b in self._dev_now
-                   if self.kinds.get(b) not in OPTIMIZER_KINDS or self.chunks.get(b) in self._resident)
+                   if self.kinds.get(b) not in (*OPTIMIZER_KINDS, GRAD) or self.chunks.get(b) in self._resident)
 
     def _use_device(self, block_id: str, nbytes: int) -> None:
         """Count ``block_id`` into the distinct bytes this step uses on the device. Not a
@@ -108,10 +109,11 @@ class Opt(Policy):
         self._predicted.clear()
         # A chunk stays resident while it is updated on the device every step (an expert the
         # router skipped is not), and only while the step's device working set, resident
-        # chunks included, fits on the device (routing may grow it past the room they took).
-        self._resident &= self._updated_here
-        if self._resident and self._needs_device() > self._device_capacity:
-            self._resident.clear()
+        # chunks included, fits on the device (routing may grow it past the room they took):
+        # where it does not, the chunks granted last give their room back until it does.
+        self._resident = {c: None for c in self._resident if c in self._updated_here}
+        while self._resident and self._needs_device() > self._device_capacity:
+            del self._resident[next(reversed(self._resident))]
         self._updated_here = set()
         self.follow.append(self.timeline.end_step())
         self._ws_grew = self._ws_now > self._ws_max
@@ -232,7 +234,7 @@ class Opt(Policy):
         extra = sum(self.sizes.get(b, 0) for b in also)
         if not self._fits_beside_working_set(2 * block.nbytes + extra, capacity):
             return False
-        self._resident.add(chunk)
+        self._resident[chunk] = None
         self._stale = None
         self._home_on_device(block)
         self._ws_extra += extra
