@@ -138,8 +138,11 @@ class Run:
             torch.cuda.synchronize(self.device)
         self.times.append((time.perf_counter() - t0) / len(batches))
 
-    def result(self, steps: int) -> dict:
-        out = {"step_s": statistics.median(self.times[1:] or self.times)}  # the first turn warms up
+    def result(self, steps: int, warm_turns: int) -> dict:
+        """Step time (median over the turns after the first ``warm_turns``), and for hetero the
+        runtime's figures: stall (waits for blocks inside steps; a turn's final drain is not
+        one), logic, traffic per step."""
+        out = {"step_s": statistics.median(self.times[warm_turns:])}
         if self.wrapped:
             report = self.model.placement_report()
             d = report.as_dict()
@@ -179,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     steps = 8 if args.quick else args.steps
+    if args.turn < 1:
+        p.error(f"--turn {args.turn}: expected a number of steps >= 1")
     turn = min(args.turn, max(1, steps // 2))
+    warm = -(-WARMUP // turn)  # turns left out of the step time: they hold the first WARMUP steps
+    if steps // turn <= warm:
+        p.error(f"--steps {steps}: expected more than {warm * turn} steps (the first {WARMUP} warm up)")
     steps -= steps % turn
     cfg = models.get_config(args.model)
     state = models.state_bytes(models.GPT(cfg))
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             batches = [data.batch(args.batch_size, cfg.block_size) for _ in range(turn)]
             for r in runs:
                 r.turn(batches)
-        res = {r.name: r.result(steps) for r in runs}
+        res = {r.name: r.result(steps, warm) for r in runs}
     finally:
         shutil.rmtree(swap_dir, ignore_errors=True)
     compute = res["eager"]["step_s"]
@@ -218,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     print(f"model {args.model} on {args.device}: training state {state / 2**20:.2f} MiB; {steps} steps per configuration "
-          f"in turns of {turn} (step time: median over the last {steps // turn - 1} turns); disk ({disk_tool}): "
+          f"in turns of {turn} (step time: median over the last {steps // turn - warm} turns); disk ({disk_tool}): "
           f"read {disk['read_GBps']:.2f} GB/s, "
           f"write {disk['write_GBps']:.2f} GB/s")
     print(f"{'config':<10} {'step s':>8} {'stall s':>8} {'logic s':>8} {'nvme rd MiB':>12} {'nvme wr MiB':>12} "

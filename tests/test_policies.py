@@ -310,7 +310,8 @@ def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() ->
     """Where a chunk's states fit on the device beside the working set with its gradient, every
     block of the chunk is a victim there only after every other block, though its next use (the
     update) is the furthest; it stops being resident when its update runs below, when a step
-    does not update it, or when a step's device working set outgrows the device."""
+    does not update it, or when a step's device working set outgrows the device (the chunks
+    made resident last first, until the rest fit)."""
     caps = {"device": 400, "host": 1000}
     free = {"device": 400, "host": 1000}
 
@@ -367,7 +368,7 @@ def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() ->
     assert o.home(info("s", nbytes=40, kind="exp_avg"), free, tight) == "device"  # 240 + 40 only
     assert o._resident.keys() == {"c0"}
 
-    o = start()  # a step whose device working set outgrows the device ends every residency
+    o = start()  # a step whose device working set outgrows the device ends residency
     assert o.home(info("m", nbytes=40, kind="exp_avg"), free, caps) == "device"
     update(o, "device", 0)
     o.end_step(0)
@@ -380,9 +381,9 @@ def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() ->
     o.end_step(1)
     assert not o._resident
 
-    def grown(experts: int) -> list[str]:
+    def grown(experts: int) -> tuple[list[str], float]:
         """The chunks resident after a step in which routing picked ``experts`` more (40 each),
-        with c0 and c2 resident before it."""
+        with c0 and c2 resident before it; and the working set later steps plan against."""
         o = start()
         for b, kind in (("m", "exp_avg"), ("v", "exp_avg_sq"), ("s", "exp_avg")):
             assert o.home(info(b, nbytes=40, kind=kind), free, caps) == "device"
@@ -399,15 +400,16 @@ def test_a_chunk_homed_beside_the_working_set_stays_resident_until_it_moves() ->
         update(o, "device", 1)
         o.observe(["s"], "device", 1, 95, write=True)
         o.end_step(1)
-        return list(o._resident)
+        return list(o._resident), o._ws_max
 
     # Where the room of the chunks granted last is enough, only they give it back. The step
     # needs p, q, r (120) + 40 per expert + c0's g, m, v (120) + c2's h, s (80): 400 with two
     # experts; 480 with four, 400 without c2 (its gradient h, which leaves at a host update, too);
     # 520 with five, 440 without c2, 320 without c0.
-    assert grown(2) == ["c0", "c2"]
-    assert grown(4) == ["c0"]
-    assert grown(5) == []
+    # What the chunks that stopped being resident kept on the device leaves the working set.
+    assert grown(2) == (["c0", "c2"], 400)
+    assert grown(4) == (["c0"], 400)
+    assert grown(5) == ([], 320)
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -91,7 +91,8 @@ class Opt(Policy):
         optimizer states and gradients of chunks that are not resident (any tier would do for
         the states; such a gradient leaves at its chunk's update below)."""
         return sum(self.sizes.get(b, 0) for b in self._dev_now
-                   if self.kinds.get(b) not in (*OPTIMIZER_KINDS, GRAD) or self.chunks.get(b) in self._resident)
+                   if self.kinds.get(b) not in (*OPTIMIZER_KINDS, GRAD)
+                   or self.chunks.get(b) in self._resident)
 
     def _use_device(self, block_id: str, nbytes: int) -> None:
         """Count ``block_id`` into the distinct bytes this step uses on the device. Not a
@@ -112,8 +113,16 @@ class Opt(Policy):
         # chunks included, fits on the device (routing may grow it past the room they took):
         # where it does not, the chunks granted last give their room back until it does.
         self._resident = {c: None for c in self._resident if c in self._updated_here}
+        revoked = set()
         while self._resident and self._needs_device() > self._device_capacity:
-            del self._resident[next(reversed(self._resident))]
+            chunk = next(reversed(self._resident))
+            del self._resident[chunk]
+            revoked.add(chunk)
+        if revoked:  # their states and gradients leave the device: later steps plan without them
+            gone = {b for b in self._dev_now
+                    if self.chunks.get(b) in revoked and self.kinds.get(b) in (*OPTIMIZER_KINDS, GRAD)}
+            self._dev_now -= gone
+            self._ws_now -= sum(self.sizes.get(b, 0) for b in gone)
         self._updated_here = set()
         self.follow.append(self.timeline.end_step())
         self._ws_grew = self._ws_now > self._ws_max
