@@ -63,7 +63,7 @@ def _window(owners: list, n: int, evictable):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=40), st.integers(1, 12), st.sets(st.integers(1, 6)))
 def test_slot_pool_window_is_the_cheapest_run(layout, n, pinned) -> None:
-    """Owner 0 is a free slot; equal numbers in a row are one owner spanning several slots."""
+    """Owner 0 is a free slot; equal numbers are one owner (in a row: one spanning several slots)."""
     owners = [object() for _ in range(7)]
     pool = SlotPool(len(layout), 10)
     pool.owner = [None if k == 0 else owners[k] for k in layout]
