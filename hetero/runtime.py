@@ -505,7 +505,7 @@ class Runtime:
         need = self._size_on(NVME, block)
         if nvme is None or nvme.free < need:
             return False
-        dst = self.storage.hold(NVME, block.nbytes, _Shadow(block))
+        dst = self.storage.hold_nvme(block.nbytes, _Shadow(block))
         if dst is None:
             return False
         self._reserve(block, NVME)

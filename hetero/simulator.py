@@ -90,9 +90,7 @@ class SimStorage:
         elif tier == NVME:
             self.nvme.free(loc[1], nbytes)
 
-    def hold(self, tier: str, nbytes: int, owner: object) -> Any:
-        if tier == HOST:
-            return self.host.alloc(nbytes, owner)
+    def hold_nvme(self, nbytes: int, owner: object) -> Any:
         off = self.nvme.alloc(nbytes, owner)
         return None if off is None else (0, off)
 

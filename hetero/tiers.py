@@ -289,11 +289,9 @@ class TierStorage:
         elif tier == NVME:
             self.swap.free(loc, nbytes)
 
-    def hold(self, tier: str, nbytes: int, owner: object):
-        """Take free slots for ``nbytes`` on ``tier`` (host or NVMe) for ``owner``, not a block's
-        copy (a shadow); their location, or None when no run is free."""
-        if tier == HOST:
-            return self.arena.pool.alloc(nbytes, owner)
+    def hold_nvme(self, nbytes: int, owner: object):
+        """Take free NVMe slots for ``nbytes`` for ``owner``, not a block's copy (a shadow moved
+        off the host); their location, or None when no run is free."""
         return self.swap.alloc(nbytes, owner)
 
     def adopt(self, block, tier: str, loc, owner: object = None) -> None:
