@@ -27,6 +27,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from .base import DEVICE, GRAD, HOST, MASTER, OPTIMIZER_KINDS, TIER_ORDER, BlockInfo, Policy, Timeline
 from .hotness import Hotness
 
+#: kinds of block a step needs on the device only while their chunk is resident: the optimizer
+#: states (any tier would do for them) and the gradient (it leaves at its chunk's update below)
+_RESIDENT_ONLY = (*OPTIMIZER_KINDS, GRAD)
+
 
 class Opt(Policy):
     name = "opt"
@@ -88,11 +92,9 @@ class Opt(Policy):
 
     def _needs_device(self) -> int:
         """The distinct bytes this step used on the device that it needs there: all but the
-        optimizer states and gradients of chunks that are not resident (any tier would do for
-        the states; such a gradient leaves at its chunk's update below)."""
+        :data:`_RESIDENT_ONLY` blocks of chunks that are not resident."""
         return sum(self.sizes.get(b, 0) for b in self._dev_now
-                   if self.kinds.get(b) not in (*OPTIMIZER_KINDS, GRAD)
-                   or self.chunks.get(b) in self._resident)
+                   if self.kinds.get(b) not in _RESIDENT_ONLY or self.chunks.get(b) in self._resident)
 
     def _use_device(self, block_id: str, nbytes: int) -> None:
         """Count ``block_id`` into the distinct bytes this step uses on the device. Not a
@@ -120,7 +122,7 @@ class Opt(Policy):
             revoked.add(chunk)
         if revoked:  # their states and gradients leave the device: later steps plan without them
             gone = {b for b in self._dev_now
-                    if self.chunks.get(b) in revoked and self.kinds.get(b) in (*OPTIMIZER_KINDS, GRAD)}
+                    if self.chunks.get(b) in revoked and self.kinds.get(b) in _RESIDENT_ONLY}
             self._dev_now -= gone
             self._ws_now -= sum(self.sizes.get(b, 0) for b in gone)
         self._updated_here = set()
