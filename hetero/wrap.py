@@ -42,10 +42,10 @@ def state_of(param: torch.Tensor) -> Optional["HeteroState"]:
     return ref() if ref is not None else None
 
 
-def _call_if_alive(ref: "weakref.ref[HeteroState]", method: str, call: Call) -> None:
+def _call_if_alive(ref: "weakref.ref[HeteroState]", method: str, *args: Any) -> None:
     state = ref()
     if state is not None:
-        getattr(state, method)(call)
+        getattr(state, method)(*args)
 
 
 class HeteroState:
@@ -63,6 +63,9 @@ class HeteroState:
         self.summoned = False
         self.sync_grads = True
         self.policy_start = policy_start  # what a replay starts from (policies.starting_copy)
+        # The grad block the backward is accumulating into, kept acquired on the device across
+        # consecutive gradients of its chunk (see accumulate_grad).
+        self._grad_pin: Optional[Block] = None
 
     # --------------------------------------------------------------- hooks (see hetero.units)
 
@@ -102,29 +105,44 @@ class HeteroState:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "post_backward", call))
 
     def post_backward(self, call: Call) -> None:
+        self.release_grad_pin()
         if call.pinned:
             self.runtime.release(call.unit.param_blocks)
             call.pinned = False
             call.unit.backward_pins -= 1
 
     def accumulate_grad(self, param: nn.Parameter) -> None:
-        """Move ``param.grad`` into its chunk's grad block (post-accumulate-grad hook)."""
+        """Move ``param.grad`` into its chunk's grad block (post-accumulate-grad hook).
+
+        Gradients of one chunk arrive back to back, so its grad block stays acquired from the
+        first of them until one of another chunk arrives, a unit's backward ends, or the
+        backward pass ends: one acquire (and one recorded access) per run of a chunk's
+        gradients rather than per parameter, with still at most one grad block pinned (what
+        the minimum device budget allows for)."""
         chunk, slot = self.slot_of[id(param)]
         grad, param.grad = param.grad, None
         block = chunk.blocks[GRAD]
-        self.runtime.acquire([block], DEVICE, write=True)  # created zero-filled on first use
-        try:
-            with torch.no_grad():
-                if chunk.grad_scale is not None:  # clipped, then accumulated into: apply the clip
-                    block.device.mul_(chunk.grad_scale.to(block.device.device))
-                    chunk.grad_scale = None
-                dst = slot.slice(block.device)
-                if slot.has_grad:
-                    dst.add_(grad)
-                else:
-                    dst.copy_(grad)
-                    slot.has_grad = True
-        finally:
+        if self._grad_pin is not block:
+            self.release_grad_pin()
+            self.runtime.acquire([block], DEVICE, write=True)  # created zero-filled on first use
+            self._grad_pin = block
+            ref = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "release_grad_pin"))
+        with torch.no_grad():
+            if chunk.grad_scale is not None:  # clipped, then accumulated into: apply the clip
+                block.device.mul_(chunk.grad_scale.to(block.device.device))
+                chunk.grad_scale = None
+            dst = slot.slice(block.device)
+            if slot.has_grad:
+                dst.add_(grad)
+            else:
+                dst.copy_(grad)
+                slot.has_grad = True
+
+    def release_grad_pin(self) -> None:
+        """Let the grad block being accumulated into go (it may be evicted again)."""
+        if self._grad_pin is not None:
+            block, self._grad_pin = self._grad_pin, None
             self.runtime.release([block], DEVICE)
 
     def end_step(self) -> None:
@@ -140,6 +158,7 @@ class HeteroState:
     def forward_failed(self) -> None:
         """Undo the pins of a forward that raised half-way, so training can go on."""
         self.runtime.unpin_all()
+        self._grad_pin = None
         for unit in self.units:
             unit.calls.clear()
             unit.backward_pins = 0
