@@ -60,21 +60,9 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from hetero.native import ERROR as EXTENSION_ERROR, _C
 
-try:
-    from hetero import _C
-except (ImportError, OSError) as _exc:  # not built, or built against another torch
-    _C = None
-    EXTENSION_ERROR: str | None = f"{type(_exc).__name__}: {_exc}"
-else:
-    EXTENSION_ERROR = None
-    if not hasattr(_C, "CopyEngine"):  # a stale build from before the copy engine
-        EXTENSION_ERROR = "hetero._C has no CopyEngine (built from older sources; rebuild it)"
-        _C = None
-    elif "inline_bytes" not in (_C.CopyEngine.__init__.__doc__ or ""):  # ... or before inline_bytes
-        EXTENSION_ERROR = "hetero._C's CopyEngine takes no inline_bytes (built from older sources; rebuild it)"
-        _C = None
+logger = logging.getLogger(__name__)
 
 INLINE_BYTES = 64 << 10  # host copies up to this size run in the calling thread (csrc/copy.h's default)
 _KINDS = {(False, False): "h2h", (False, True): "h2d", (True, False): "d2h", (True, True): "d2d"}

@@ -85,13 +85,7 @@ import torch
 
 from hetero.errors import HeteroIOError
 
-try:
-    from hetero import _C
-except (ImportError, OSError) as _exc:  # not built, or built against another torch
-    _C = None
-    EXTENSION_ERROR: str | None = f"{type(_exc).__name__}: {_exc}"
-else:
-    EXTENSION_ERROR = None
+from hetero.native import ERROR as EXTENSION_ERROR, _C
 
 log = logging.getLogger(__name__)
 

@@ -296,28 +296,36 @@ def test_small_host_copies_are_done_in_the_calling_thread(engine) -> None:
         h.wait()
 
 
-def test_an_extension_built_before_inline_bytes_is_not_used(monkeypatch) -> None:
-    """A stale hetero._C whose CopyEngine takes no inline_bytes would raise TypeError at the
-    first CopyEngine(); the module falls back to the Python engine and says why instead."""
+def test_an_extension_built_from_other_sources_is_not_used(monkeypatch) -> None:
+    """A hetero._C built from other sources (another INTERFACE: an editable install not rebuilt
+    after a pull) is refused at import with the reason, and every user of it falls back to its
+    Python path instead of failing at its first call into a binding that changed."""
     import importlib
     import sys
     import types
 
     import hetero
+    from hetero import engine, native
+    from hetero.optim import kernel
 
     class OldCopyEngine:
         def __init__(self, num_threads: int = 2) -> None:
             pass
 
-    fake = types.SimpleNamespace(CopyEngine=OldCopyEngine, COPY_CUDA=False)
+    fake = types.SimpleNamespace(CopyEngine=OldCopyEngine, COPY_CUDA=False, INTERFACE=native.INTERFACE - 1)
     monkeypatch.setitem(sys.modules, "hetero._C", fake)
     monkeypatch.setattr(hetero, "_C", fake, raising=False)
+    modules = (native, copies, engine, kernel)
     try:
-        importlib.reload(copies)
-        assert copies._C is None and "inline_bytes" in copies.EXTENSION_ERROR
+        for m in modules:
+            importlib.reload(m)
+        assert native._C is None and "rebuild" in native.ERROR and f"interface {native.INTERFACE - 1}" in native.ERROR
+        assert copies._C is None and copies.EXTENSION_ERROR == native.ERROR
+        assert not engine.has_extension() and not kernel.has_kernel()
         with copies.CopyEngine(1) as eng:
             assert eng.backend == "python"
     finally:
         monkeypatch.undo()
-        importlib.reload(copies)
-    assert copies.EXTENSION_ERROR is None or "inline_bytes" not in copies.EXTENSION_ERROR
+        for m in modules:
+            importlib.reload(m)
+    assert (native.ERROR is None) == (native._C is not None)
