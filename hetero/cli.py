@@ -5,6 +5,8 @@
                     placement report, the budgets and the step time.
 ``hetero profile``  runs the bundled model for a few steps under given budgets and policy and writes
                     the report (JSON), a Chrome/Perfetto trace, a plot and the access log.
+``hetero plan``     estimates memory per tier, traffic and step time under given budgets on this
+                    machine (:mod:`hetero.plan`).
 
 By default the device budget is a fifth of the model's training state (16 bytes per parameter:
 param, grad, exp_avg, exp_avg_sq in fp32), the host budget a quarter, and the rest goes to swap
@@ -202,12 +204,21 @@ def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, data: models.
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
+    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    _add_placement_args(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per core)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """The model, batch, device, budgets and policy: what train, profile and plan share."""
     p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(models.PRESETS),
                    help=f"bundled GPT preset (default {DEFAULT_MODEL})")
-    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                    help=f"sequences per step (default {DEFAULT_BATCH})")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--device", default=None,
                    help="compute device (default: cuda when available, else cpu)")
     p.add_argument("--device-budget", default=None,
@@ -219,10 +230,6 @@ def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--no-nvme", action="store_true", help="disable the NVMe tier")
     p.add_argument("--chunk-size", default=DEFAULT_CHUNK, help=f"chunk size (default {DEFAULT_CHUNK})")
     p.add_argument("--policy", default="auto", help="placement policy: auto, opt, hotness, lru, static")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default 0)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's, one per core)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _run_from_args(args: argparse.Namespace, desc: str,
@@ -276,6 +283,25 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import plan
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = plan(args.model, device_budget=args.device_budget, host_budget=args.host_budget,
+                  nvme_path=args.nvme_path, no_nvme=args.no_nvme, chunk_size=args.chunk_size,
+                  policy=args.policy, batch_size=args.batch_size, seq_len=args.seq_len,
+                  device=args.device, steps=args.steps, compute_tflops=args.compute_tflops,
+                  h2d_GBps=args.h2d_gbps, d2h_GBps=args.d2h_gbps, nvme_read_GBps=args.nvme_read_gbps,
+                  nvme_write_GBps=args.nvme_write_gbps, adam_Gparams=args.adam_gparams)
+    print(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.as_dict(), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero", description="Place PyTorch training state across device, host and NVMe.")
@@ -299,6 +325,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(prof, steps=10)
     prof.add_argument("--out", default="hetero-profile", help="output directory (default hetero-profile)")
     prof.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser(
+        "plan", help="estimate memory per tier and step time for the bundled model and this machine",
+        description="Estimate memory per tier, bytes moved per step and step time of training the "
+                    "bundled GPT under the given budgets: a dry run of a few steps at batch size 1 on "
+                    "the CPU gives the placement (hetero's own runtime: placement does not depend on "
+                    "the batch or the device), then the traffic and compute are priced with this "
+                    "machine's speeds, measured unless given.")
+    _add_placement_args(pl)
+    pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
+    pl.add_argument("--steps", type=int, default=4, help="steps of the dry run (default 4; the last one is priced)")
+    pl.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    for flag, what in (("--compute-tflops", "TFLOPS the model's forward and backward reach"),
+                       ("--h2d-gbps", "host->device GB/s"), ("--d2h-gbps", "device->host GB/s"),
+                       ("--nvme-read-gbps", "NVMe read GB/s"), ("--nvme-write-gbps", "NVMe write GB/s"),
+                       ("--adam-gparams", "CPU Adam updates, G params/s")):
+        pl.add_argument(flag, type=float, default=None, help=f"{what} (default: measured here)")
+    pl.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -58,6 +58,7 @@ class Report:
             "stall_seconds": tr.stall_seconds,
             "tiers": {name: t.as_dict() for name, t in rt.tiers.items()},
             "traffic": dict(tr.traffic),
+            "step_traffic": [dict(t) for t in tr.step_traffic],  # the same, per step
             "blocks": blocks,
             "misses": tr.misses,
             "prefetch": {"issued": tr.prefetch_issued, "hits": tr.prefetch_hits},
