@@ -15,15 +15,17 @@
 #      against a plain cudaMemcpyAsync, and the overlap of copies with compute
 #   5. python benchmarks/bench_overlap.py --device cuda --quick --json $OUT/overlap.json: step time
 #      resident / device budget 25% / optimizer states on NVMe, on the GPU
-#   6. python benchmarks/bench_adam.py (64M parameters, quick) --json $OUT/adam.json
-#   7. the whole test suite (pytest -n with pytest-xdist when installed), unless GPU_CHECK_SUITE=0
+#   6. python -m hetero plan --device cuda for the device25 and nvme_opt configurations of step 5
+#      (--json $OUT/plan_device25.json, $OUT/plan_nvme_opt.json): the plan's estimate to compare
+#   7. python benchmarks/bench_adam.py (64M parameters, quick) --json $OUT/adam.json
+#   8. the whole test suite (pytest -n with pytest-xdist when installed), unless GPU_CHECK_SUITE=0
 # Every step runs even when an earlier one failed (after a failed build only what needs no
 # extension is meaningful, but it still runs); each step has a time limit (GPU_CHECK_STEP_S,
 # default 240 s). A step that crashes (SIGSEGV, SIGABRT) is run again under cuda-gdb or gdb, when
 # one is installed, for the native backtrace of every thread (Python's faulthandler shows only
 # Python frames). Results go to ${OUT:-/tmp}: gpu_check.log (all output), gpu_check_build.log,
-# copy.json, overlap.json, adam.json and NAME.gdb.log for a crashed step. About 5-6 minutes on a
-# 16-core H200 machine.
+# copy.json, overlap.json, plan_*.json, adam.json and NAME.gdb.log for a crashed step. About 6-7
+# minutes on a 16-core H200 machine.
 # Exit status: the first failing step's; 3 if everything passed but hetero._C has no CUDA path.
 set -uo pipefail
 
@@ -148,6 +150,16 @@ run bench_copy "$PY" benchmarks/bench_copy.py --json "$OUT_DIR/copy.json"
 step "step time on the GPU: benchmarks/bench_overlap.py --device cuda"
 run bench_overlap "$PY" benchmarks/bench_overlap.py --device cuda --model "${GPU_CHECK_MODEL:-large}" \
   --batch-size "${GPU_CHECK_BATCH:-32}" --chunk-size "${GPU_CHECK_CHUNK:-64MiB}" --quick --no-progress --json "$OUT_DIR/overlap.json"
+
+step "hetero plan on the GPU, for bench_overlap's device25 and nvme_opt configurations"
+# The plan's estimate against the step times just measured: its dry run uses the CPU, its
+# pricing this GPU's copy engine, the swap directory's disk and the model's forward and backward.
+MODEL="${GPU_CHECK_MODEL:-large}"
+STATE=$("$PY" -c "from hetero import models; print(models.state_bytes(models.GPT(models.get_config('$MODEL'))))")
+PLAN=("$PY" -m hetero plan --device cuda --model "$MODEL" --batch-size "${GPU_CHECK_BATCH:-32}"
+      --chunk-size "${GPU_CHECK_CHUNK:-64MiB}" --device-budget $((STATE / 4)))
+run plan_device25 "${PLAN[@]}" --host-budget $((STATE * 2)) --no-nvme --json "$OUT_DIR/plan_device25.json"
+run plan_nvme_opt "${PLAN[@]}" --host-budget $((STATE * 45 / 100)) --nvme-path . --json "$OUT_DIR/plan_nvme_opt.json"
 
 step "CPU Adam benchmark: benchmarks/bench_adam.py (64M parameters)"
 run bench_adam "$PY" benchmarks/bench_adam.py --sizes 64M --threads "1,$(nproc)" --reps 3 --no-deepspeed \
