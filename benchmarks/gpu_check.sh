@@ -154,6 +154,8 @@ run bench_overlap "$PY" benchmarks/bench_overlap.py --device cuda --model "${GPU
 step "hetero plan on the GPU, for bench_overlap's device25 and nvme_opt configurations"
 # The plan's estimate against the step times just measured: its dry run uses the CPU, its
 # pricing this GPU's copy engine, the swap directory's disk and the model's forward and backward.
+# Budgets as close to bench_overlap's as the CLI takes them: its device25 leaves the host budget
+# to wrap's default and its NVMe budget to the disk, so the bytes compare approximately.
 MODEL="${GPU_CHECK_MODEL:-large}"
 STATE=$("$PY" -c "from hetero import models; print(models.state_bytes(models.GPT(models.get_config('$MODEL'))))")
 PLAN=("$PY" -m hetero plan --device cuda --model "$MODEL" --batch-size "${GPU_CHECK_BATCH:-32}"

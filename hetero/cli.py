@@ -32,7 +32,7 @@ import torch
 
 from . import models
 from .config import format_size, parse_size
-from .errors import HeteroError
+from .errors import HeteroConfigError, HeteroError
 
 log = logging.getLogger(__name__)
 
@@ -232,10 +232,16 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="auto", help="placement policy: auto, opt, hotness, lru, static")
 
 
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise HeteroConfigError(f"--threads {threads}: expected a number of CPU threads >= 1")
+        torch.set_num_threads(threads)
+
+
 def _run_from_args(args: argparse.Namespace, desc: str,
                    on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> RunResult:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     return run(args.model, args.steps, batch_size=args.batch_size, lr=args.lr, device=args.device,
                device_budget=args.device_budget, host_budget=args.host_budget,
                nvme_path=args.nvme_path, no_nvme=args.no_nvme, chunk_size=args.chunk_size,
@@ -286,14 +292,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import plan
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     result = plan(args.model, device_budget=args.device_budget, host_budget=args.host_budget,
                   nvme_path=args.nvme_path, no_nvme=args.no_nvme, chunk_size=args.chunk_size,
                   policy=args.policy, batch_size=args.batch_size, seq_len=args.seq_len,
                   device=args.device, steps=args.steps, compute_tflops=args.compute_tflops,
                   h2d_GBps=args.h2d_gbps, d2h_GBps=args.d2h_gbps, nvme_read_GBps=args.nvme_read_gbps,
-                  nvme_write_GBps=args.nvme_write_gbps, adam_Gparams=args.adam_gparams)
+                  nvme_write_GBps=args.nvme_write_gbps, adam_Gparams=args.adam_gparams,
+                  device_adam_Gparams=args.device_adam_gparams)
     print(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -340,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, what in (("--compute-tflops", "TFLOPS the model's forward and backward reach"),
                        ("--h2d-gbps", "host->device GB/s"), ("--d2h-gbps", "device->host GB/s"),
                        ("--nvme-read-gbps", "NVMe read GB/s"), ("--nvme-write-gbps", "NVMe write GB/s"),
-                       ("--adam-gparams", "CPU Adam updates, G params/s")):
+                       ("--adam-gparams", "CPU Adam updates, G params/s"),
+                       ("--device-adam-gparams", "Adam updates on the compute device, G params/s")):
         pl.add_argument(flag, type=float, default=None, help=f"{what} (default: measured here)")
     pl.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     pl.set_defaults(func=cmd_plan)

@@ -625,7 +625,7 @@ def _warn_fallback() -> None:
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(f"hetero._C is not built ({EXTENSION_ERROR}); swap I/O falls back to a "
+        warnings.warn(f"hetero._C is not available ({EXTENSION_ERROR}); swap I/O falls back to a "
                       "slower pure-Python engine. Build it: pip install --no-build-isolation -e .",
                       RuntimeWarning, stacklevel=4)
 

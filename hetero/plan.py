@@ -10,8 +10,9 @@ these budgets moves, up to the timing of asynchronous prefetches.
 
 The time half prices that traffic on a machine (:class:`Machine`: measured here by default, or
 given): the compute of one step at the rate the model's forward and backward reach on the device,
-each link's bytes at its speed, the host Adam updates at the CPU kernel's rate, and the runtime's
-own decisions (the dry run's event log replayed without tensors). Two figures frame the step
+each link's bytes at its speed, the Adam updates at the rate hetero reaches where they run (the
+host's C++ kernel, or the device), and the runtime's own decisions (the dry run's event log
+replayed without tensors). Two figures frame the step
 time: ``overlapped`` (every resource busy at once: what perfect prefetch would reach) and
 ``serial`` (the same costs one after another). Neither counts the Python around the runtime (hooks, issuing copies) or
 cores shared between compute, copies and the host update: on a CPU they can dominate
@@ -30,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from . import models
-from .config import format_size
+from .config import format_size, parse_size
 from .errors import HeteroConfigError
 
 #: traffic directions priced by the plan, as in the placement report
@@ -48,6 +49,7 @@ class Machine:
     nvme_read_GBps: Optional[float]
     nvme_write_GBps: Optional[float]
     adam_Gparams: float  # CPU Adam updates per second (the kernel hetero steps host chunks with)
+    device_adam_Gparams: float  # the same for chunks updated on the compute device
     source: str  # "measured", "given", or "measured, some given"
 
 
@@ -59,11 +61,13 @@ def train_flops(cfg: models.GPTConfig, params: int, tokens: int, seq_len: int) -
 
 
 def price(traffic: dict[str, float], *, flops: float, host_params: int, machine: Machine,
-          runtime_s: float = 0.0) -> dict[str, float]:
-    """Seconds per step of each resource for ``traffic`` (bytes per direction), ``flops`` of
-    compute, ``host_params`` parameters updated by the CPU and ``runtime_s`` of the runtime's own
-    decisions (host CPU time), and two figures for the step: ``overlapped`` (the busiest
-    resource) and ``serial`` (their sum). The NVMe reads and writes share one disk."""
+          device_params: int = 0, runtime_s: float = 0.0) -> dict[str, float]:
+    """Seconds per step of each cost for ``traffic`` (bytes per direction), ``flops`` of
+    compute, ``host_params`` and ``device_params`` parameters updated by the CPU and on the
+    device, and ``runtime_s`` of the runtime's own decisions (host CPU time); and two figures for
+    the step: ``overlapped`` (the busiest resource: the device runs compute and its Adam updates
+    one after the other, the NVMe reads and writes share one disk) and ``serial`` (every cost one
+    after another)."""
     def at(nbytes: float, gbps: Optional[float], what: str) -> float:
         if not nbytes:
             return 0.0
@@ -77,10 +81,12 @@ def price(traffic: dict[str, float], *, flops: float, host_params: int, machine:
         "device->host": at(traffic.get("device->host", 0), machine.d2h_GBps, "device->host"),
         "nvme": (at(traffic.get("nvme->host", 0), machine.nvme_read_GBps, "NVMe read")
                  + at(traffic.get("host->nvme", 0), machine.nvme_write_GBps, "NVMe write")),
+        "device_adam": device_params / (machine.device_adam_Gparams * 1e9),
         "host_adam": host_params / (machine.adam_Gparams * 1e9),
         "runtime": runtime_s,
     }
-    t["overlapped"] = max(t.values())
+    busy = {k: v for k, v in t.items() if k not in ("compute", "device_adam")}
+    t["overlapped"] = max(t["compute"] + t["device_adam"], *busy.values())
     t["serial"] = sum(v for k, v in t.items() if k != "overlapped")
     return t
 
@@ -121,18 +127,24 @@ def measure_compute(cfg: models.GPTConfig, device: torch.device, batch_size: int
     return train_flops(cfg, model.num_params(), batch_size * seq_len, seq_len) / seconds / 1e12
 
 
-def measure_link(device: torch.device, nbytes: int = 64 << 20, reps: int = 5) -> tuple[float, float]:
-    """(host->device, device->host) GB/s of the copy engine the runtime uses, between pinned host
-    memory (pinned when CUDA is present, as the host arena is) and ``device``."""
+def measure_link(device: torch.device, block: int, total: int = 64 << 20, reps: int = 5) -> tuple[float, float]:
+    """(host->device, device->host) GB/s of the copy engine the runtime uses, moving ``total``
+    bytes in copies of ``block`` bytes (a chunk's block) all issued at once, between host memory
+    (pinned when CUDA is present, as the host arena is) and ``device``."""
     from .copies import CopyEngine
     from .engine import aligned_empty
 
-    host = aligned_empty(nbytes, pin=device.type == "cuda")
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    block = max(4096, min(block, total))
+    n = max(1, total // block)
+    host = aligned_empty(n * block, pin=device.type == "cuda")
+    dev = torch.empty(n * block, dtype=torch.uint8, device=device)
     out = []
     with CopyEngine(2) as eng:
         for dst, src in ((dev, host), (host, dev)):
-            out.append(nbytes / _median_seconds(lambda: eng.copy(dst, src).wait(), reps) / 1e9)
+            def copy_all() -> None:
+                for h in [eng.copy(dst[i:i + block], src[i:i + block]) for i in range(0, n * block, block)]:
+                    h.wait()
+            out.append(n * block / _median_seconds(copy_all, reps) / 1e9)
     return out[0], out[1]
 
 
@@ -158,20 +170,22 @@ def measure_disk(directory: str, nbytes: int = 64 << 20, block: int = 1 << 20) -
     return speeds["read"], speeds["write"]
 
 
-def measure_adam(numel: int = 1 << 22, reps: int = 3) -> float:
-    """G parameters per second of the CPU Adam hetero steps host chunks with."""
+def measure_adam(device: torch.device = torch.device("cpu"), numel: int = 1 << 22, reps: int = 3) -> float:
+    """G parameters per second of the Adam update hetero runs on ``device`` (the fused C++
+    kernel on the CPU, torch ops on a GPU)."""
     from .optim.kernel import adam_step_
 
-    w, g, m, v = (torch.rand(numel) for _ in range(4))
+    w, g, m, v = (torch.rand(numel, device=device) for _ in range(4))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     step = lambda: adam_step_(w, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,  # noqa: E731
                               weight_decay=0.0, decoupled=True)
-    return numel / _median_seconds(step, reps) / 1e9
+    return numel / _median_seconds(step, reps, sync) / 1e9
 
 
 def measure_machine(cfg: models.GPTConfig, device: torch.device, batch_size: int, seq_len: int,
-                    nvme_dir: Optional[str], **given: Optional[float]) -> Machine:
-    """This machine's figures for training ``cfg`` at this batch, each measured unless given
-    (keyword: a :class:`Machine` field)."""
+                    nvme_dir: Optional[str], block: int, **given: Optional[float]) -> Machine:
+    """This machine's figures for training ``cfg`` at this batch with blocks of about ``block``
+    bytes, each measured unless given (keyword: a :class:`Machine` field)."""
     def pick(name: str, measure: Any) -> float:
         value = given.get(name)
         return float(value) if value is not None else measure()
@@ -181,7 +195,7 @@ def measure_machine(cfg: models.GPTConfig, device: torch.device, batch_size: int
 
     def link_speed(i: int) -> float:
         nonlocal link
-        link = link or measure_link(device)
+        link = link or measure_link(device, block)
         return link[i]
 
     def disk_speed(i: int) -> Optional[float]:
@@ -200,6 +214,8 @@ def measure_machine(cfg: models.GPTConfig, device: torch.device, batch_size: int
         nvme_write_GBps=pick("nvme_write_GBps", lambda: disk_speed(1)) if nvme_dir else None,
         adam_Gparams=pick("adam_Gparams", measure_adam),
     )
+    fields["device_adam_Gparams"] = pick("device_adam_Gparams", lambda: (
+        fields["adam_Gparams"] if device.type == "cpu" else measure_adam(device)))
     needed = [k for k, v in fields.items() if v is not None]
     source = "given" if set(needed) <= set(known) else "measured, some given" if known else "measured"
     return Machine(**fields, source=source)
@@ -217,6 +233,7 @@ class Plan:
     peaks: dict[str, int]  # bytes per tier at the fullest moment of the dry run
     traffic: dict[str, int]  # bytes per step and direction, the dry run's last step
     host_params: int  # parameters the CPU updates per step (their chunks' Adam states live below the device)
+    device_params: int  # parameters updated on the device per step (their states live there)
     batch_size: int
     seq_len: int
     flops: float
@@ -241,12 +258,13 @@ class Plan:
                 f", NVMe read {m.nvme_read_GBps:.2f} / write {m.nvme_write_GBps:.2f} GB/s")
         lines.append(f"machine ({m.source}): compute {m.compute_tflops:.3g} TFLOPS, host->device "
                      f"{m.h2d_GBps:.2f} GB/s, device->host {m.d2h_GBps:.2f} GB/s{disk}, CPU Adam "
-                     f"{m.adam_Gparams:.2f} G params/s")
+                     f"{m.adam_Gparams:.2f} G params/s, device Adam {m.device_adam_Gparams:.2f} G params/s")
         s = self.seconds
         lines.append(f"step at batch {self.batch_size} x {self.seq_len} tokens: compute {s['compute']:.4f} s, "
                      f"host->device {s['host->device']:.4f} s, device->host {s['device->host']:.4f} s, "
                      f"NVMe {s['nvme']:.4f} s, host Adam ({self.host_params / 1e6:.2f}M params) "
-                     f"{s['host_adam']:.4f} s, runtime decisions {s['runtime']:.4f} s")
+                     f"{s['host_adam']:.4f} s, device Adam ({self.device_params / 1e6:.2f}M params) "
+                     f"{s['device_adam']:.4f} s, runtime decisions {s['runtime']:.4f} s")
         lines.append(f"estimated step time: {s['overlapped']:.4f} s with every transfer hidden behind "
                      f"the busiest resource, {s['serial']:.4f} s with nothing overlapped")
         return "\n".join(lines)
@@ -267,6 +285,9 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
 
     if steps < 2:
         raise HeteroConfigError(f"steps={steps}: expected >= 2 (the first step records the access sequence)")
+    from .config import _parse_device
+
+    compute_device = _parse_device(device)  # a bad device is refused before the dry run
     cfg = models.get_config(model_name)
     seq_len = cfg.block_size if seq_len is None else seq_len
     if not 1 <= seq_len <= cfg.block_size:
@@ -284,7 +305,8 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
                       host_budget=host_budget, nvme_path=swap, no_nvme=no_nvme, chunk_size=chunk_size,
                       policy=policy, progress=False, desc="hetero plan")
         if machine is None:
-            machine = measure_machine(cfg, cli.resolve_device(device), batch_size, seq_len, swap, **given)
+            machine = measure_machine(cfg, compute_device, batch_size, seq_len, swap,
+                                      parse_size(chunk_size, "chunk_size"), **given)
     report = res.report.as_dict()
     # The runtime's decisions (placement, eviction, prefetch planning) cost host CPU time per
     # step: timed by replaying the dry run's event log, the same code without tensors.
@@ -297,11 +319,14 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
     last = steps - 1
     traffic = dict(report["step_traffic"][last]) if len(report["step_traffic"]) > last else {}
     # Adam runs where a chunk's states are: the exp_avg accesses below the device in the last step
-    host_params = sum(a.bytes // 4 for a in res.report.accesses
-                      if a.step == last and a.tier != "device" and a.block.endswith(".exp_avg"))
+    updated = [(a.tier, a.bytes // 4) for a in res.report.accesses
+               if a.step == last and a.block.endswith(".exp_avg")]
+    host_params = sum(n for tier, n in updated if tier != "device")
+    device_params = sum(n for tier, n in updated if tier == "device")
     flops = train_flops(cfg, res.params, batch_size * seq_len, seq_len)
     b = res.budgets
     return Plan(model_name, res.params, state, {"device": b.device, "host": b.host, "nvme": b.nvme},
-                {n: t["peak"] for n, t in report["tiers"].items()}, traffic, host_params, batch_size,
-                seq_len, flops, machine,
-                price(traffic, flops=flops, host_params=host_params, machine=machine, runtime_s=runtime_s))
+                {n: t["peak"] for n, t in report["tiers"].items()}, traffic, host_params, device_params,
+                batch_size, seq_len, flops, machine,
+                price(traffic, flops=flops, host_params=host_params, device_params=device_params,
+                      machine=machine, runtime_s=runtime_s))

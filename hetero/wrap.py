@@ -148,11 +148,15 @@ class HeteroState:
     def end_step(self) -> None:
         self.runtime.end_step()
 
-    def begin_forward(self) -> None:
-        """Called at the root before a forward. Nothing is pinned between passes, so pins left now
-        come from a backward that raised half-way: drop them so training can go on."""
-        if any(n for b in self.runtime.blocks() for n in b.pins.values()):
-            log.warning("hetero: dropping pins left by an interrupted backward pass")
+    def drop_stale_pins(self) -> None:
+        """Nothing is pinned between passes: pins found outside forward and backward were left by
+        a pass that raised half-way (its release hooks and end-of-backward callbacks never ran).
+        Drop them so training can go on: called at the root before a forward, and by what reads,
+        writes or drops blocks between passes (the optimizer's step and zero_grad, clipping)."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # inside a backward (activation checkpointing re-runs forwards there): pins are live
+        if self._grad_pin is not None or any(n for b in self.runtime.blocks() for n in b.pins.values()):
+            log.warning("hetero: dropping pins left by an interrupted forward or backward pass")
             self.forward_failed()
 
     def forward_failed(self) -> None:
@@ -245,9 +249,7 @@ class HeteroModule(nn.Module):
         if mp is not None and mp.param_dtype is not None:  # as FSDP: cast floating inputs at the root
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
-        in_backward = torch._C._current_graph_task_id() != -1  # a checkpoint re-running the root
-        if not in_backward:
-            self._hetero_state.begin_forward()
+        self._hetero_state.drop_stale_pins()  # (not in a checkpoint's re-run of the root inside backward)
         try:
             return self.module(*args, **kwargs)
         except BaseException:
@@ -296,6 +298,7 @@ class HeteroModule(nn.Module):
         ``clip_grad_norm_`` over this module's parameters)."""
         from .optim.clip import clip_grad_norm_  # the optimizer package owns gradient math
 
+        self._hetero_state.drop_stale_pins()
         return clip_grad_norm_(self._hetero_state, self.module.parameters(), max_norm, norm_type)
 
     def placement_report(self) -> "Report":

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,4 +330,16 @@ def test_an_extension_built_from_other_sources_is_not_used(monkeypatch) -> None:
         monkeypatch.undo()
         for m in modules:
             importlib.reload(m)
-    assert (native.ERROR is None) == (native._C is not None)
+    built = list((Path(hetero.__file__).parent).glob("_C*.so"))
+    if built:  # the real build is used again once the fake is gone
+        assert native._C is not None and copies._C is native._C, native.ERROR
+
+
+def test_the_interface_number_is_the_one_the_sources_compile_in() -> None:
+    """hetero/native.py and csrc/bindings.cpp name the same INTERFACE: raising one alone would
+    send every native path to its Python fallback, silently except for a warning."""
+    from hetero import native
+
+    src = (Path(__file__).parent.parent / "csrc" / "bindings.cpp").read_text()
+    found = re.findall(r'm\.attr\("INTERFACE"\) = (\d+);', src)
+    assert found == [str(native.INTERFACE)]

@@ -360,7 +360,7 @@ def test_missing_extension_falls_back_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(engine, "EXTENSION_ERROR", "ImportError: simulated")
     monkeypatch.setattr(engine, "_warned", False)
     monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
-    with pytest.warns(RuntimeWarning, match="hetero._C is not built.*simulated"):
+    with pytest.warns(RuntimeWarning, match="hetero._C is not available.*simulated"):
         io = engine.SwapIO(1)
     assert io.backend == "python" and not engine.has_extension()
     with warnings.catch_warnings():

@@ -13,23 +13,26 @@ from hetero import cli, models
 from hetero.plan import Machine, plan, price, train_flops
 
 GIVEN = Machine(compute_tflops=2.0, h2d_GBps=10.0, d2h_GBps=5.0, nvme_read_GBps=1.0,
-                nvme_write_GBps=2.0, adam_Gparams=0.5, source="given")
+                nvme_write_GBps=2.0, adam_Gparams=0.5, device_adam_Gparams=4.0, source="given")
 
 
 def test_price_is_bytes_over_speeds() -> None:
     traffic = {"host->device": 1e9, "device->host": 1e9, "nvme->host": 1e9, "host->nvme": 2e9}
-    t = price(traffic, flops=4e12, host_params=10 ** 9, machine=GIVEN)
+    t = price(traffic, flops=4e12, host_params=10 ** 9, device_params=2 * 10 ** 9, machine=GIVEN,
+              runtime_s=0.5)
     assert t["compute"] == pytest.approx(2.0)
+    assert t["device_adam"] == pytest.approx(0.5)
     assert t["host->device"] == pytest.approx(0.1)
     assert t["device->host"] == pytest.approx(0.2)
     assert t["nvme"] == pytest.approx(1.0 + 1.0)  # reads and writes share the disk
     assert t["host_adam"] == pytest.approx(2.0)
-    assert t["overlapped"] == pytest.approx(2.0)
-    assert t["serial"] == pytest.approx(6.3)
+    assert t["runtime"] == 0.5
+    assert t["overlapped"] == pytest.approx(2.5)  # the device computes, then updates
+    assert t["serial"] == pytest.approx(7.3)
 
 
 def test_price_refuses_traffic_it_has_no_speed_for() -> None:
-    no_disk = Machine(1.0, 1.0, 1.0, None, None, 1.0, "given")
+    no_disk = Machine(1.0, 1.0, 1.0, None, None, 1.0, 1.0, "given")
     assert price({"host->device": 1e6}, flops=1e9, host_params=0, machine=no_disk)["nvme"] == 0
     with pytest.raises(ValueError, match="NVMe read"):
         price({"nvme->host": 1e6}, flops=1e9, host_params=0, machine=no_disk)
@@ -77,8 +80,9 @@ def test_the_plan_moves_what_a_real_run_moves(tmp_path, device: str, host: str, 
     assert p.host_params == updated_below
     if device == "500KiB":  # no room beside the working set: every chunk is updated by the CPU
         assert p.host_params == models.GPT(cfg).num_params()
-    assert p.seconds == price(p.traffic, flops=p.flops, host_params=p.host_params, machine=GIVEN,
-                             runtime_s=p.seconds["runtime"])
+    assert p.host_params + p.device_params == models.GPT(cfg).num_params()  # every chunk, once
+    assert p.seconds == price(p.traffic, flops=p.flops, host_params=p.host_params,
+                              device_params=p.device_params, machine=GIVEN, runtime_s=p.seconds["runtime"])
     assert p.seconds["runtime"] > 0
 
 
@@ -86,8 +90,10 @@ def test_a_model_that_fits_moves_nothing() -> None:
     total = models.state_bytes(models.GPT(models.get_config("tiny")))
     p = plan("tiny", device_budget=2 * total, host_budget=total, no_nvme=True, steps=2, machine=GIVEN)
     assert not any(p.traffic.values()) and p.host_params == 0
-    assert p.seconds["overlapped"] == max(p.seconds["compute"], p.seconds["runtime"])
-    assert p.seconds["serial"] == pytest.approx(p.seconds["compute"] + p.seconds["runtime"])
+    assert p.device_params == models.GPT(models.get_config("tiny")).num_params()
+    s = p.seconds
+    assert s["overlapped"] == max(s["compute"] + s["device_adam"], s["runtime"])
+    assert s["serial"] == pytest.approx(s["compute"] + s["device_adam"] + s["runtime"])
 
 
 def test_cli_plan_measures_this_machine_and_writes_json(tmp_path, capsys) -> None:
@@ -101,7 +107,7 @@ def test_cli_plan_measures_this_machine_and_writes_json(tmp_path, capsys) -> Non
     d = json.loads(out.read_text())
     m = d["machine"]
     assert m["nvme_write_GBps"] == 3.5 and m["source"] == "measured, some given"
-    for key in ("compute_tflops", "h2d_GBps", "d2h_GBps", "nvme_read_GBps", "adam_Gparams"):
+    for key in ("compute_tflops", "h2d_GBps", "d2h_GBps", "nvme_read_GBps", "adam_Gparams", "device_adam_Gparams"):
         assert m[key] > 0, key
     assert d["batch_size"] == 2 and d["seq_len"] == models.get_config("tiny").block_size
     assert 0 < d["seconds"]["overlapped"] <= d["seconds"]["serial"]
@@ -114,6 +120,8 @@ def test_cli_plan_measures_this_machine_and_writes_json(tmp_path, capsys) -> Non
     (["--batch-size", "0"], "batch_size"),
     (["--steps", "1"], "steps"),
     (["--compute-tflops", "-1"], "compute_tflops"),
+    (["--device", "foo"], "device"),
+    (["--threads", "0"], "--threads"),
 ])
 def test_cli_plan_refuses_bad_input_by_name(capsys, args: list[str], names: str) -> None:
     assert cli.main(["plan", "--model", "tiny", "--no-nvme", *args]) == 2

@@ -84,6 +84,42 @@ def test_gradients_accumulate_under_one_pinned_grad_block(chunk_size: str) -> No
     wrapped.close()
 
 
+@pytest.mark.parametrize("after", ["zero_grad", "clip_then_step"])
+def test_a_backward_that_raises_leaves_nothing_pinned(after: str) -> None:
+    """A backward that raises after some gradients were accumulated never runs its end-of-backward
+    callback: the grad block it was accumulating into and the unit's parameters stay pinned until
+    the next zero_grad, clip or step lets them go, and training goes on (skipping the batch, or
+    stepping on the gradients that arrived)."""
+    torch.manual_seed(0)
+    model = GPT()
+    total = state_bytes(model)
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB", device_budget=int(total * 0.25))
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    grads = [c.blocks["grad"] for c in wrapped._hetero_state.chunks]
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed half-way")
+
+    (x, y), (x2, y2) = batches(2, seed=3)
+    handle = wrapped.module.h[0].attn.weight.register_hook(boom)  # late: after other grads
+    with pytest.raises(RuntimeError, match="half-way"):
+        loss_of(wrapped(x, y)).backward()
+    handle.remove()
+    assert any(b.pins.get("device") for b in grads)  # what the failed backward left
+    if after == "zero_grad":
+        opt.zero_grad()
+    else:
+        wrapped.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    assert not any(n for b in wrapped._hetero_state.runtime.blocks() for n in b.pins.values())
+    loss_of(wrapped(x2, y2)).backward()
+    opt.step()
+    opt.zero_grad()
+    assert_within_budgets(wrapped)
+    wrapped.close()
+
+
 def test_zero_grad_set_to_none_false(tight: dict) -> None:
     def step(model, opt, batch):
         x, y = batch

@@ -157,6 +157,7 @@ class Adam(torch.optim.Optimizer):
         st = self._state
         if st is None:
             return loss
+        st.drop_stale_pins()
         rt = st.runtime
         groups = self._group_index()
         work = [(c, runs) for c in self._chunks() if (runs := self._runs(c, groups))]
@@ -322,6 +323,7 @@ class Adam(torch.optim.Optimizer):
         st = self._state
         if st is None:
             return
+        st.drop_stale_pins()
         groups = self._group_index()
         for chunk in self._chunks():
             slots = [s for s in chunk.slots if id(s.param) in groups and s.has_grad]

@@ -62,7 +62,7 @@ def torch_numerics() -> dict:
     instruction) and whether torch's add/lerp/addcmul fuse their multiply-adds (its AVX2 and
     AVX-512 kernels do, its DEFAULT-capability ones do not)."""
     if _ext is None:
-        raise RuntimeError(f"the C++ Adam kernel is not available ({_EXT_ERROR}); build it: "
+        raise RuntimeError(f"the C++ Adam kernel is not available ({_EXT_ERROR or 'not built'}); build it: "
                            "`pip install --no-build-isolation -e .`")
     return dict(_ext.adam_torch_numerics())
 
@@ -70,7 +70,7 @@ def torch_numerics() -> dict:
 def selected_isa(isa: str | None = None) -> str:
     """The code path a call with ``isa`` takes now (``isa`` argument, HETERO_ADAM_ISA, or best)."""
     if _ext is None:
-        raise RuntimeError(f"the C++ Adam kernel is not available ({_EXT_ERROR}); build it: "
+        raise RuntimeError(f"the C++ Adam kernel is not available ({_EXT_ERROR or 'not built'}); build it: "
                            "`pip install --no-build-isolation -e .`")
     return _ext.adam_isa(isa or "")
 
@@ -141,7 +141,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                        threads=torch.get_num_threads() if threads is None else int(threads), sqrt=sqrt)
         return
     if isa is not None:
-        why = (f"the C++ kernel is not available ({_EXT_ERROR})" if _ext is None
+        why = (f"the C++ kernel is not available ({_EXT_ERROR or 'not built'})" if _ext is None
                else "the tensors are not contiguous CPU tensors of supported dtypes")
         raise RuntimeError(f"isa={isa!r} asks for the C++ Adam kernel but {why}")
     g = grad.to(param.dtype)
@@ -162,7 +162,7 @@ def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *, scal
     zero; every line is still written back), so it can run over live optimizer state. Returns the
     bytes moved (``numel * 4 * (len(read) + 2 * len(update))``)."""
     if _ext is None:
-        raise RuntimeError(f"the C++ streaming kernel is not available ({_EXT_ERROR}); build it: "
+        raise RuntimeError(f"the C++ streaming kernel is not available ({_EXT_ERROR or 'not built'}); build it: "
                            "`pip install --no-build-isolation -e .`")
     return int(_ext.stream_update(read, update, scale=float(scale), isa=isa or "",
                                   threads=torch.get_num_threads() if threads is None else int(threads)))
