@@ -19,6 +19,15 @@ thread pool through ``at::parallel_for``, whose OpenMP implementation is inline 
 and silently runs serially in code compiled without it. The extension then needs ``libgomp.so.1``,
 the OpenMP runtime torch itself loads, so the process keeps a single runtime.
 
+The C++ runtime: the extension must use the ``libstdc++.so`` the process (torch) already loaded.
+A compiler whose toolchain has only a static ``libstdc++.a`` embeds a second copy of the C++
+runtime in ``_C.so``; the two copies' locale facets clash, and the first number formatted into an
+error message (``TORCH_CHECK``, ``std::ostringstream``) crashes with SIGSEGV. That is what the
+first GPU machine's build did: Python's configured compiler there was such a toolchain
+(``/opt/gcc``, set as ``CXX`` in its environment). So a probe links a tiny shared object with the
+compiler the build would use (``CXX``, else Python's configured one), and where it does not need
+``libstdc++.so``, the build switches to ``c++`` / ``g++`` on ``PATH`` when those do (and says so).
+
 liburing: when a test program including ``<liburing.h>`` compiles and links with ``-luring``
 (Debian: ``apt-get install liburing-dev``), the swap I/O engine gets its io_uring backend
 (``-DHETERO_HAVE_LIBURING``, linked against ``liburing``). Without it the extension still builds
@@ -27,6 +36,7 @@ and the engine runs its thread-pool backend only. ``HETERO_NO_LIBURING=1`` skips
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -61,6 +71,47 @@ def have_liburing() -> bool:
             return False
     return done.returncode == 0
 
+
+def needs_shared_cxx_runtime(cxx: list[str]) -> bool | None:
+    """Whether a shared object linked by the C++ compiler ``cxx`` needs ``libstdc++.so``
+    (None: the probe could not tell: no compiler, no ``readelf``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = Path(tmp, "probe.cpp"), Path(tmp, "probe.so")
+        src.write_text("#include <sstream>\n#include <string>\n"
+                       "std::string probe(long x) { std::ostringstream s; s << x; return s.str(); }\n")
+        try:
+            built = subprocess.run([*cxx, "-shared", "-fPIC", str(src), "-o", str(lib)],
+                                   capture_output=True, timeout=120)
+            if built.returncode != 0:
+                return None
+            dynamic = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return "libstdc++" in dynamic.stdout if dynamic.returncode == 0 else None
+
+
+def use_a_shared_cxx_runtime() -> None:
+    """See the module docstring: switch CXX/CC to a compiler on PATH that links libstdc++.so when
+    the one the build would use (``CXX``, else Python's configured one) embeds a static copy."""
+    if not sys.platform.startswith("linux"):
+        return
+    configured = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
+    if needs_shared_cxx_runtime(configured) is not False:
+        return
+    for cxx, cc in (("c++", "cc"), ("g++", "gcc")):
+        cxx_path, cc_path = shutil.which(cxx), shutil.which(cc)
+        if cxx_path and cc_path and needs_shared_cxx_runtime([cxx_path]):
+            os.environ["CXX"], os.environ["CC"] = cxx_path, cc_path
+            print(f"hetero: {' '.join(configured)} links the C++ runtime statically, which crashes "
+                  f"next to torch's libstdc++.so; building with CXX={cxx_path} CC={cc_path}",
+                  file=sys.stderr)
+            return
+    print(f"hetero: WARNING: {' '.join(configured)} links the C++ runtime statically and no compiler "
+          "on PATH links libstdc++.so; hetero._C may crash formatting error messages. Set CXX/CC to "
+          "a compiler with a shared libstdc++.", file=sys.stderr)
+
+
+use_a_shared_cxx_runtime()
 
 MACROS: list[tuple[str, str | None]] = []
 LIBRARIES: list[str] = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import re
+import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -333,6 +335,20 @@ def test_an_extension_built_from_other_sources_is_not_used(monkeypatch) -> None:
     built = list((Path(hetero.__file__).parent).glob("_C*.so"))
     if built:  # the real build is used again once the fake is gone
         assert native._C is not None and copies._C is native._C, native.ERROR
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
+def test_the_extension_uses_the_processes_cpp_runtime() -> None:
+    """hetero._C needs libstdc++.so, the C++ runtime torch loaded, rather than embedding a static
+    copy: two runtimes in one process crash formatting the first number of an error message
+    (SIGSEGV in locale facets; the first GPU machine's toolchain did this, see setup.py)."""
+    import hetero
+
+    built = sorted(Path(hetero.__file__).parent.glob("_C*.so"))
+    if not built:
+        pytest.skip("hetero._C is not built")
+    dynamic = subprocess.run(["readelf", "-d", str(built[0])], capture_output=True, text=True, check=True)
+    assert "libstdc++.so" in dynamic.stdout
 
 
 def test_the_interface_number_is_the_one_the_sources_compile_in() -> None:
