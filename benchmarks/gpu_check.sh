@@ -13,7 +13,7 @@
 #      test_cpu_adam.py (the CPU Adam kernel's AVX-512 path, where this machine's CPU has it)
 #   4. python benchmarks/bench_copy.py --json $OUT/copy.json: H2D / D2H GB/s of the copy engine
 #      against a plain cudaMemcpyAsync, and the overlap of copies with compute
-#   5. python benchmarks/bench_overlap.py --device cuda --quick --json $OUT/overlap.json: step time
+#   5. python benchmarks/bench_overlap.py --device cuda --steps 20 --turn 4 --json $OUT/overlap.json: step time
 #      resident / device budget 25% / optimizer states on NVMe, on the GPU
 #   6. python -m hetero plan --device cuda for the device25 and nvme_opt configurations of step 5
 #      (--json $OUT/plan_device25.json, $OUT/plan_nvme_opt.json): the plan's estimate to compare
@@ -149,7 +149,8 @@ run bench_copy "$PY" benchmarks/bench_copy.py --json "$OUT_DIR/copy.json"
 
 step "step time on the GPU: benchmarks/bench_overlap.py --device cuda"
 run bench_overlap "$PY" benchmarks/bench_overlap.py --device cuda --model "${GPU_CHECK_MODEL:-large}" \
-  --batch-size "${GPU_CHECK_BATCH:-32}" --chunk-size "${GPU_CHECK_CHUNK:-64MiB}" --quick --no-progress --json "$OUT_DIR/overlap.json"
+  --batch-size "${GPU_CHECK_BATCH:-32}" --chunk-size "${GPU_CHECK_CHUNK:-64MiB}" --steps 20 --turn 4 --no-progress \
+  --json "$OUT_DIR/overlap.json"
 
 step "hetero plan on the GPU, for bench_overlap's device25 and nvme_opt configurations"
 # The plan's estimate against the step times just measured: its dry run uses the CPU, its
