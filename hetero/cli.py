@@ -266,11 +266,15 @@ def _print_summary(res: RunResult) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     res = _run_from_args(args, "hetero train")
     _print_summary(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res.json_dict(), f, indent=1)
-        print(f"wrote {args.json}")
+    _write_json(args.json, res.json_dict())
     return 0
+
+
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"wrote {path}")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -301,10 +305,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   nvme_write_GBps=args.nvme_write_gbps, adam_Gparams=args.adam_gparams,
                   device_adam_Gparams=args.device_adam_gparams)
     print(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.as_dict(), f, indent=1)
-        print(f"wrote {args.json}")
+    _write_json(args.json, result.as_dict())
     return 0
 
 
