@@ -23,10 +23,10 @@ The C++ runtime: the extension must use the ``libstdc++.so`` the process (torch)
 A compiler whose toolchain has only a static ``libstdc++.a`` embeds a second copy of the C++
 runtime in ``_C.so``; the two copies' locale facets clash, and the first number formatted into an
 error message (``TORCH_CHECK``, ``std::ostringstream``) crashes with SIGSEGV. That is what the
-first GPU machine's build did: Python's configured compiler there was such a toolchain
-(``/opt/gcc``, set as ``CXX`` in its environment). So a probe links a tiny shared object with the
-compiler the build would use (``CXX``, else Python's configured one), and where it does not need
-``libstdc++.so``, the build switches to ``c++`` / ``g++`` on ``PATH`` when those do (and says so).
+GPU machine's build did: its environment sets ``CXX=/opt/gcc/bin/g++``, such a toolchain. So a
+probe links a tiny shared object with the compiler the build would use (``CXX``, else Python's
+configured one), and where it does not need ``libstdc++.so``, the build switches to ``c++`` /
+``g++`` on ``PATH`` when those do (and says so).
 
 liburing: when a test program including ``<liburing.h>`` compiles and links with ``-luring``
 (Debian: ``apt-get install liburing-dev``), the swap I/O engine gets its io_uring backend

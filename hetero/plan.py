@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from . import models
-from .config import format_size, parse_size
+from .config import _parse_device, format_size, parse_size
 from .errors import HeteroConfigError
 
 #: traffic directions priced by the plan, as in the placement report
@@ -238,7 +238,7 @@ class Plan:
     seq_len: int
     flops: float
     machine: Machine
-    seconds: dict[str, float]  # per resource, and the overlapped / serial bounds of a step
+    seconds: dict[str, float]  # per cost, and the step's overlapped and serial figures (see price)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -281,12 +281,10 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
     and the traffic per step (see the module docstring); ``machine`` (default: measured here,
     with any :class:`Machine` field given as a keyword) prices them. Bad budgets raise what
     ``hetero.wrap`` raises, before anything runs."""
-    from . import cli
+    from . import cli  # cli runs the bundled model; it imports nothing from here
 
     if steps < 2:
         raise HeteroConfigError(f"steps={steps}: expected >= 2 (the first step records the access sequence)")
-    from .config import _parse_device
-
     compute_device = _parse_device(device)  # a bad device is refused before the dry run
     cfg = models.get_config(model_name)
     seq_len = cfg.block_size if seq_len is None else seq_len
@@ -318,7 +316,7 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
         state[b["kind"]] = state.get(b["kind"], 0) + b["bytes"]
     last = steps - 1
     traffic = dict(report["step_traffic"][last]) if len(report["step_traffic"]) > last else {}
-    # Adam runs where a chunk's states are: the exp_avg accesses below the device in the last step
+    # Adam runs where a chunk's states are: the last step's exp_avg accesses (fp32) say where
     updated = [(a.tier, a.bytes // 4) for a in res.report.accesses
                if a.step == last and a.block.endswith(".exp_avg")]
     host_params = sum(n for tier, n in updated if tier != "device")
