@@ -137,11 +137,13 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
         host_budget: Any = None, nvme_path: str | None = None, no_nvme: bool = False,
         chunk_size: str = DEFAULT_CHUNK, policy: str = "auto", seed: int = 0,
         progress: bool = True, desc: str = "hetero train",
-        on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> RunResult:
+        on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        on_wrap: Callable[[Any], None] | None = None) -> RunResult:
     """Train the bundled GPT preset ``model_name`` with hetero for ``steps`` steps.
 
     ``on_step(x, y)`` is called after each step with its batch (the benchmark trains an eager
-    copy of the model in lockstep with it, so both see the same batches and the same machine load).
+    copy of the model in lockstep with it, so both see the same batches and the same machine load);
+    ``on_wrap(module)`` once with the HeteroModule, before training (the planner reads its layout).
     """
     import hetero
 
@@ -160,6 +162,8 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
                               host_budget=budgets.host, nvme_path=swap, nvme_budget=budgets.nvme,
                               chunk_size=chunk_size, policy=policy)
         try:
+            if on_wrap is not None:
+                on_wrap(wrapped)
             opt = hetero.optim.AdamW(wrapped.parameters(), lr=lr)
             losses, times = train_loop(wrapped, opt, data, cfg.block_size, steps, batch_size, dev,
                                        progress=progress, desc=desc, on_step=on_step)

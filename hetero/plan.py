@@ -33,6 +33,7 @@ import torch
 from . import models
 from .config import _parse_device, format_size, parse_size
 from .errors import HeteroConfigError
+from .wrap import minimum_budgets
 
 #: traffic directions priced by the plan, as in the placement report
 LINKS = ("host->device", "device->host", "nvme->host", "host->nvme")
@@ -230,6 +231,7 @@ class Plan:
     params: int
     state: dict[str, int]  # training-state bytes per block kind
     budgets: dict[str, Optional[int]]  # device, host, nvme (None: no NVMe tier)
+    minimums: dict[str, int]  # the smallest device and host budgets wrap accepts here
     peaks: dict[str, int]  # bytes per tier at the fullest moment of the dry run
     traffic: dict[str, int]  # bytes per step and direction, the dry run's last step
     host_params: int  # parameters the CPU updates per step (their chunks' Adam states live below the device)
@@ -248,7 +250,8 @@ class Plan:
         lines = [f"plan: {self.model} GPT, {self.params / 1e6:.2f}M parameters, training state "
                  f"{format_size(total)} ({', '.join(f'{k} {format_size(v)}' for k, v in self.state.items())})"]
         budgets = ", ".join(f"{k} {'off' if v is None else format_size(v)}" for k, v in self.budgets.items())
-        lines.append(f"budgets: {budgets}")
+        lines.append(f"budgets: {budgets}; the least wrap accepts: device "
+                     f"{format_size(self.minimums['device'])}, host {format_size(self.minimums['host'])}")
         lines.append("memory per tier (peak): " + ", ".join(
             f"{k} {format_size(v)}" for k, v in self.peaks.items()))
         lines.append("traffic per step: " + ", ".join(
@@ -298,10 +301,15 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
             raise TypeError(f"plan() got an unexpected keyword argument {name!r}")
         if value is not None and not value > 0:
             raise HeteroConfigError(f"{name}={value!r}: expected a speed > 0 (or None to measure it)")
+    minimums: dict[str, int] = {}
+
+    def layout(module: Any) -> None:
+        minimums["device"], minimums["host"] = minimum_budgets(module, nvme=not no_nvme)
+
     with cli.nvme_dir(nvme_path, no_nvme) as swap:
         res = cli.run(model_name, steps, batch_size=1, device="cpu", device_budget=device_budget,
                       host_budget=host_budget, nvme_path=swap, no_nvme=no_nvme, chunk_size=chunk_size,
-                      policy=policy, progress=False, desc="hetero plan")
+                      policy=policy, progress=False, desc="hetero plan", on_wrap=layout)
         if machine is None:
             machine = measure_machine(cfg, compute_device, batch_size, seq_len, swap,
                                       parse_size(chunk_size, "chunk_size"), **given)
@@ -323,7 +331,7 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
     device_params = sum(n for tier, n in updated if tier == "device")
     flops = train_flops(cfg, res.params, batch_size * seq_len, seq_len)
     b = res.budgets
-    return Plan(model_name, res.params, state, {"device": b.device, "host": b.host, "nvme": b.nvme},
+    return Plan(model_name, res.params, state, {"device": b.device, "host": b.host, "nvme": b.nvme}, minimums,
                 {n: t["peak"] for n, t in report["tiers"].items()}, traffic, host_params, device_params,
                 batch_size, seq_len, flops, machine,
                 price(traffic, flops=flops, host_params=host_params, device_params=device_params,

@@ -360,13 +360,13 @@ def _parents(units: list[tuple[str, nn.Module]]) -> list[Optional[int]]:
     return parents
 
 
-def _minimum_host_budget(cfg: Config, chunks: list[Chunk]) -> int:
+def _minimum_host_budget(chunk_size: int, nvme: bool, chunks: list[Chunk]) -> int:
     """Bytes the host tier must hold. With NVMe: an optimizer step's blocks for one chunk, all in
     host slots at once, plus slack so a block spanning several slots still finds a contiguous run
     among them. Without NVMe: one block (a device eviction lands there)."""
     sizes = expected_block_bytes(chunks)
-    slot = slot_size_for(cfg.chunk_size, sizes)
-    if cfg.nvme_path is None:
+    slot = slot_size_for(chunk_size, sizes)
+    if not nvme:
         return slots_for(max(sizes, default=0), slot) * slot
     need = slots_for(max(sizes, default=0), slot)
     for c in chunks:
@@ -377,6 +377,14 @@ def _minimum_host_budget(cfg: Config, chunks: list[Chunk]) -> int:
     return need * slot
 
 
+def minimum_budgets(module: "HeteroModule", nvme: bool) -> tuple[int, int]:
+    """The smallest ``device_budget`` and ``host_budget`` ``hetero.wrap`` accepts for this wrapped
+    module's units and chunks, with an NVMe tier or without (the minimums its errors name)."""
+    st = module._hetero_state
+    parents = _parents([(u.name, u.module) for u in st.units])
+    return _minimum_device_budget(st.units, parents), _minimum_host_budget(st.cfg.chunk_size, nvme, st.chunks)
+
+
 def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]], chunks: list[Chunk]) -> None:
     device_min = _minimum_device_budget(units, parents)
     if cfg.device_budget < device_min:
@@ -385,7 +393,7 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             f"largest wrapped unit (with the units enclosing it and one grad block) needs "
             f"{device_min} bytes ({format_size(device_min)}); pass device_budget>={device_min}, a "
             "smaller chunk_size, or an auto_wrap_policy with smaller units")
-    host_min = _minimum_host_budget(cfg, chunks)
+    host_min = _minimum_host_budget(cfg.chunk_size, cfg.nvme_path is not None, chunks)
     if cfg.host_budget < host_min:
         raise HeteroConfigError(
             f"host_budget={cfg.host_budget} ({format_size(cfg.host_budget)}) is too small: the host "

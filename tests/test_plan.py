@@ -86,6 +86,23 @@ def test_the_plan_moves_what_a_real_run_moves(tmp_path, device: str, host: str, 
     assert p.seconds["runtime"] > 0
 
 
+@pytest.mark.parametrize("nvme", [True, False])
+def test_the_plan_names_the_least_budgets_wrap_accepts(tmp_path, nvme: bool) -> None:
+    p = plan("tiny", device_budget="500KiB", host_budget="8MiB", nvme_path=str(tmp_path) if nvme else None,
+             no_nvme=not nvme, steps=2, machine=GIVEN)
+    dev, host = p.minimums["device"], p.minimums["host"]
+    assert 0 < dev <= p.budgets["device"] and 0 < host <= p.budgets["host"]
+    kw = dict(device="cpu", chunk_size=cli.DEFAULT_CHUNK, nvme_path=str(tmp_path) if nvme else None)
+    roomy = 8 << 20  # the other tier: room for the whole state, so only the budget under test binds
+    for name, least, make_budgets in (("device_budget", dev, lambda n: (n, roomy)),
+                                      ("host_budget", host, lambda n: (roomy, n))):
+        d, h = make_budgets(least)
+        hetero.wrap(models.GPT(models.get_config("tiny")), device_budget=d, host_budget=h, **kw).close()
+        d, h = make_budgets(least - 1)
+        with pytest.raises(hetero.HeteroConfigError, match=f"{name}=.*pass {name}>={least}"):
+            hetero.wrap(models.GPT(models.get_config("tiny")), device_budget=d, host_budget=h, **kw)
+
+
 def test_a_model_that_fits_moves_nothing() -> None:
     total = models.state_bytes(models.GPT(models.get_config("tiny")))
     p = plan("tiny", device_budget=2 * total, host_budget=total, no_nvme=True, steps=2, machine=GIVEN)
