@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import hetero
 from hetero import models
+from hetero.plan import measure_disk
 
 WARMUP = 3  # steps left out of the traffic medians: the first records the sequence, the next lock on
 
@@ -63,34 +64,14 @@ def fio_speed(directory: str, size_mib: int = 256) -> dict[str, float] | None:
     return out
 
 
-def engine_speed(directory: str, size_mib: int = 256) -> dict[str, float]:
-    """The same measurement with hetero's swap engine (when fio is not installed)."""
-    from hetero import engine
-
-    chunk = 1 << 20
-    buf = engine.aligned_empty(size_mib * chunk)
-    buf.fill_(7)
-    out = {}
-    with engine.SwapIO() as io:
-        f = io.open(os.path.join(directory, "bench.bin"), size_mib * chunk)
-        for op in ("write", "read"):
-            t0 = time.perf_counter()
-            handles = [getattr(io, op)(f, i * chunk, buf[i * chunk:(i + 1) * chunk]) for i in range(size_mib)]
-            for h in handles:
-                h.wait()
-            out[f"{op}_GBps"] = size_mib * chunk / (time.perf_counter() - t0) / 1e9
-        io.close(f)
-    os.remove(os.path.join(directory, "bench.bin"))
-    return out
-
-
 def disk_speed(directory: str) -> dict:
     """Read and write GB/s of the disk under ``directory`` and the tool that measured them: fio,
     or hetero's swap engine when fio is not installed."""
     disk = fio_speed(directory)
     if disk is not None:
         return dict(disk, tool="fio")
-    return dict(engine_speed(directory), tool="hetero engine (fio not installed)")
+    read, write = measure_disk(directory, nbytes=256 << 20)  # the planner's probe: hetero's swap engine
+    return dict(read_GBps=read, write_GBps=write, tool="hetero engine (fio not installed)")
 
 
 def io_seconds(read_bytes: float, write_bytes: float, disk: dict) -> float:
