@@ -36,6 +36,11 @@ import torch
 
 from hetero.native import ERROR as _EXT_ERROR, _C as _ext
 
+def _unavailable(what: str) -> str:
+    return (f"the C++ {what} is not available ({_EXT_ERROR or 'not built'}); build it: "
+            "`pip install --no-build-isolation -e .`")
+
+
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -62,16 +67,14 @@ def torch_numerics() -> dict:
     instruction) and whether torch's add/lerp/addcmul fuse their multiply-adds (its AVX2 and
     AVX-512 kernels do, its DEFAULT-capability ones do not)."""
     if _ext is None:
-        raise RuntimeError(f"the C++ Adam kernel is not available ({_EXT_ERROR or 'not built'}); build it: "
-                           "`pip install --no-build-isolation -e .`")
+        raise RuntimeError(_unavailable("Adam kernel"))
     return dict(_ext.adam_torch_numerics())
 
 
 def selected_isa(isa: str | None = None) -> str:
     """The code path a call with ``isa`` takes now (``isa`` argument, HETERO_ADAM_ISA, or best)."""
     if _ext is None:
-        raise RuntimeError(f"the C++ Adam kernel is not available ({_EXT_ERROR or 'not built'}); build it: "
-                           "`pip install --no-build-isolation -e .`")
+        raise RuntimeError(_unavailable("Adam kernel"))
     return _ext.adam_isa(isa or "")
 
 
@@ -141,7 +144,7 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                        threads=torch.get_num_threads() if threads is None else int(threads), sqrt=sqrt)
         return
     if isa is not None:
-        why = (f"the C++ kernel is not available ({_EXT_ERROR or 'not built'})" if _ext is None
+        why = (_unavailable("kernel") if _ext is None
                else "the tensors are not contiguous CPU tensors of supported dtypes")
         raise RuntimeError(f"isa={isa!r} asks for the C++ Adam kernel but {why}")
     g = grad.to(param.dtype)
@@ -162,7 +165,6 @@ def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *, scal
     zero; every line is still written back), so it can run over live optimizer state. Returns the
     bytes moved (``numel * 4 * (len(read) + 2 * len(update))``)."""
     if _ext is None:
-        raise RuntimeError(f"the C++ streaming kernel is not available ({_EXT_ERROR or 'not built'}); build it: "
-                           "`pip install --no-build-isolation -e .`")
+        raise RuntimeError(_unavailable("streaming kernel"))
     return int(_ext.stream_update(read, update, scale=float(scale), isa=isa or "",
                                   threads=torch.get_num_threads() if threads is None else int(threads)))
