@@ -34,6 +34,7 @@ liburing: when a test program including ``<liburing.h>`` compiles and links with
 and the engine runs its thread-pool backend only. ``HETERO_NO_LIBURING=1`` skips the probe.
 """
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -42,6 +43,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from setuptools import setup
@@ -55,35 +57,39 @@ if sys.platform.startswith("linux") and "parallel backend: OpenMP" in torch.__co
     LINK_FLAGS.append("-fopenmp")
 
 
+@contextlib.contextmanager
+def probe_build(compiler: list[str], filename: str, source: str, args: list[str]) -> Iterator[Path | None]:
+    """Build ``source`` (saved as ``filename``) with ``compiler`` and ``args`` in a temporary
+    directory: the output, while the directory lasts, or None where it did not build."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp, filename), Path(tmp, "probe.out")
+        src.write_text(source)
+        try:
+            done = subprocess.run([*compiler, str(src), "-o", str(out), *args], capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            done = None
+        yield out if done is not None and done.returncode == 0 else None
+
+
 def have_liburing() -> bool:
     """Whether a program using liburing compiles and links here (headers and library present)."""
     if os.environ.get("HETERO_NO_LIBURING", "") not in ("", "0"):
         return False
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp, "uring_check.c")
-        src.write_text("#include <liburing.h>\n"
-                       "int main(void) { struct io_uring r; return io_uring_queue_init(2, &r, 0); }\n")
-        try:
-            done = subprocess.run([*cc, str(src), "-o", str(Path(tmp, "uring_check")), "-luring"],
-                                  capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError):
-            return False
-    return done.returncode == 0
+    source = "#include <liburing.h>\nint main(void) { struct io_uring r; return io_uring_queue_init(2, &r, 0); }\n"
+    with probe_build(cc, "uring_check.c", source, ["-luring"]) as built:
+        return built is not None
 
 
 def needs_shared_cxx_runtime(cxx: list[str]) -> bool | None:
     """Whether a shared object linked by the C++ compiler ``cxx`` needs ``libstdc++.so``
     (None: the probe could not tell: no compiler, no ``readelf``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src, lib = Path(tmp, "probe.cpp"), Path(tmp, "probe.so")
-        src.write_text("#include <sstream>\n#include <string>\n"
-                       "std::string probe(long x) { std::ostringstream s; s << x; return s.str(); }\n")
+    source = ("#include <sstream>\n#include <string>\n"
+              "std::string probe(long x) { std::ostringstream s; s << x; return s.str(); }\n")
+    with probe_build(cxx, "probe.cpp", source, ["-shared", "-fPIC"]) as lib:
+        if lib is None:
+            return None
         try:
-            built = subprocess.run([*cxx, "-shared", "-fPIC", str(src), "-o", str(lib)],
-                                   capture_output=True, timeout=120)
-            if built.returncode != 0:
-                return None
             dynamic = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.SubprocessError):
             return None
