@@ -212,13 +212,11 @@ def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     _add_placement_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default 0)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_placement_args(p: argparse.ArgumentParser) -> None:
-    """The model, batch, device, budgets and policy: what train, profile and plan share."""
+    """The model, batch, device, budgets, policy and CPU threads: what train, profile and plan share."""
     p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(models.PRESETS),
                    help=f"bundled GPT preset (default {DEFAULT_MODEL})")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
@@ -234,6 +232,8 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-nvme", action="store_true", help="disable the NVMe tier")
     p.add_argument("--chunk-size", default=DEFAULT_CHUNK, help=f"chunk size (default {DEFAULT_CHUNK})")
     p.add_argument("--policy", default="auto", help="placement policy: auto, opt, hotness, lru, static")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per core)")
 
 
 def _set_threads(threads: int | None) -> None:
@@ -347,7 +347,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_placement_args(pl)
     pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
     pl.add_argument("--steps", type=int, default=4, help="steps of the dry run (default 4; the last one is priced)")
-    pl.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     for flag, what in (("--compute-tflops", "TFLOPS the model's forward and backward reach"),
                        ("--h2d-gbps", "host->device GB/s"), ("--d2h-gbps", "device->host GB/s"),
                        ("--nvme-read-gbps", "NVMe read GB/s"), ("--nvme-write-gbps", "NVMe write GB/s"),
