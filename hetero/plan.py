@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import models
+from . import cli, models
 from .config import _parse_device, format_size, parse_size
 from .errors import HeteroConfigError
 from .wrap import minimum_budgets
@@ -284,8 +284,6 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
     and the traffic per step (see the module docstring); ``machine`` (default: measured here,
     with any :class:`Machine` field given as a keyword) prices them. Bad budgets raise what
     ``hetero.wrap`` raises, before anything runs."""
-    from . import cli  # cli runs the bundled model; it imports nothing from here
-
     if steps < 2:
         raise HeteroConfigError(f"steps={steps}: expected >= 2 (the first step records the access sequence)")
     compute_device = _parse_device(device)  # a bad device is refused before the dry run
