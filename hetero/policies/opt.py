@@ -162,8 +162,10 @@ class Opt(Policy):
         """Blocks of resident chunks last (on the device); then furthest next use first; at
         equal distance the recording's prediction before a guess
         (so among blocks not needed again, those known to be rewritten elsewhere first before
-        those nobody can predict: an expert not routed to yet may be next); then clean before
-        dirty, then least recently used. The next use is keyed by its position in the
+        those nobody can predict: an expert not routed to yet may be next); then, among known
+        futures, clean before dirty, then least recently used (among unknown ones recency comes
+        before cleanness: else a dirty block nobody predicts stays for good while the clean ones
+        around it thrash). The next use is keyed by its position in the
         recording rather than its distance, which shrinks for every block at every access: so
         an access changes the keys of only the blocks :meth:`changed_keys` names."""
         timeline = self.timeline
@@ -171,7 +173,10 @@ class Opt(Policy):
         def key(b: BlockInfo) -> Any:
             d, known = self.predict(b.id, tier)
             movable = tier != DEVICE or self.chunks.get(b.id) not in self._resident
-            return movable, d + timeline.pos, known, b.clean_below, -self._last.get(b.id, -1), b.id
+            last = -self._last.get(b.id, -1)
+            if known:
+                return movable, d + timeline.pos, known, b.clean_below, last, b.id
+            return movable, d + timeline.pos, known, last, b.clean_below, b.id
         return key
 
     def changed_keys(self) -> Optional[set[str]]:
