@@ -104,6 +104,7 @@ class Runtime:
         self.prefetching = True
         self._prefetching_now = False
         self._protected: set[Block] = set()
+        self._evicting_from_device = 0  # device evictions in progress (each may place a block on the host)
         self._worker: Optional[ThreadPoolExecutor] = None  # runs deferred host work, in order
 
     @classmethod
@@ -645,9 +646,13 @@ class Runtime:
         t.release(self._size_on(tier, block))
         self.tracker.used(tier, t.used)
 
+    def slot_bytes(self, nbytes: int) -> int:
+        """Bytes a block of ``nbytes`` takes from the host or NVMe budget: whole slots."""
+        return slots_for(nbytes, self.slot_size) * self.slot_size
+
     def _size_on(self, tier: str, block: Block) -> int:
         """Bytes ``block`` takes from ``tier``'s budget: whole slots below the device."""
-        return block.nbytes if tier == DEVICE else slots_for(block.nbytes, self.slot_size) * self.slot_size
+        return block.nbytes if tier == DEVICE else self.slot_bytes(block.nbytes)
 
     def _fetch(self, block: Block, tier: str, protect: set[Block]) -> None:
         """Give ``block`` a copy on ``tier`` (host or device), issuing the transfers.
@@ -671,11 +676,58 @@ class Runtime:
         else:
             self._protected.difference_update(blocks)
 
-    def _evictable(self, b: Block, tier: str, protect: set[Block]) -> bool:
+    def _evictable(self, b: Block, tier: str, protect: set[Block], up: bool = False) -> bool:
+        """Whether ``b``'s copy on ``tier`` may go: it is not in use and has another copy or a
+        tier below to go to (``up``: or it may move up from a bottom host, :meth:`_promotable`)."""
         if (tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._placing
                 or b in self._protected):
             return False
-        return len(b.tiers) > 1 or bool(self._below[tier])
+        return len(b.tiers) > 1 or bool(self._below[tier]) or (up and self._promotable(b, tier))
+
+    def _bottom_host(self, tier: str) -> bool:
+        """``tier`` is a host tier with no NVMe below it whose blocks may move up now: not while
+        the device is evicting (the two tiers would trade blocks back and forth)."""
+        return tier == HOST and not self._below[HOST] and not self._evicting_from_device
+
+    def _promotable(self, b: Block, tier: str) -> bool:
+        """Whether ``b``, whose only copy is on ``tier``, may leave it upwards: a full bottom host
+        makes room by moving a block into free device room (:meth:`_evict`), never by evicting
+        on the device."""
+        return self._bottom_host(tier) and self.tiers[DEVICE].free >= b.nbytes
+
+    def _victim(self, tier: str, protect: set[Block]) -> Optional[Block]:
+        """The policy's victim on ``tier``; a block that would move up (:meth:`_promotable`) only
+        when no other can go."""
+        for up in (False, True):
+            victim = self._victims.choose(tier, self._on[tier], self._info,
+                                          lambda b: self._evictable(b, tier, protect, up))
+            if victim is not None or not self._bottom_host(tier):
+                return victim
+        return None
+
+    def _windows(self, block: Block, tier: str, protect: set[Block]) -> list[list[Block]]:
+        """The blocks to evict for a contiguous run for ``block`` on ``tier``, one list per pool
+        that can make one; with blocks that would move up only when no run can be made without."""
+        for up in (False, True):
+            windows = [w for w in (p.window(block.nbytes, lambda b: self._evictable(b, tier, protect, up))
+                                   for p in self.storage.pools(tier)) if w is not None]
+            if windows or not self._bottom_host(tier):
+                return windows
+        return []
+
+    def _room_to_promote(self, tier: str) -> bool:
+        """Where a full bottom host has no block to move up, make device room for one by
+        dropping a device copy that has another copy (no write), even of a block being placed
+        on the host: the policy's choice among them. False when there is none (or ``tier`` is
+        not such a host)."""
+        if not self._bottom_host(tier):
+            return False
+        victim = self._victims.choose(DEVICE, self._on[DEVICE], self._info,
+                                      lambda b: len(b.tiers) > 1 and self._evictable(b, DEVICE, set()))
+        if victim is None:
+            return False
+        self._free(victim, DEVICE)
+        return True
 
     def _alloc(self, block: Block, tier: str, protect: set[Block]) -> None:
         """Reserve space for ``block`` on ``tier``, evicting as needed: policy-chosen victims while
@@ -691,29 +743,34 @@ class Runtime:
                 self._reserve(block, tier)
                 return
             if t.free < need:
-                victim = self._victims.choose(tier, self._on[tier], self._info,
-                                              lambda b: self._evictable(b, tier, protect))
-                if victim is None and self._drop_shadow(tier):
+                victim = self._victim(tier, protect)
+                if victim is None and (self._drop_shadow(tier) or self._room_to_promote(tier)):
                     continue
                 if victim is None:
                     raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
                 self._evict(victim, tier)
                 continue
-            windows = [w for w in (p.window(block.nbytes, lambda b: self._evictable(b, tier, protect))
-                                   for p in self.storage.pools(tier)) if w is not None]
-            if not windows and self._drop_shadow(tier):
+            windows = self._windows(block, tier, protect)
+            if not windows and (self._drop_shadow(tier) or self._room_to_promote(tier)):
                 continue
             if not windows:
                 raise HeteroOOMError(self._oom_message(
                     block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))
             for victim in min(windows, key=len):
-                self._evict(victim, tier)
+                if self._evictable(victim, tier, protect, up=True):  # (an earlier one may have taken the device room)
+                    self._evict(victim, tier)
 
     def _evict(self, block: Block, tier: str) -> None:
         """Remove ``block``'s copy from ``tier``, first writing it one tier down if it is the
-        only copy (making room there recursively)."""
-        if block.tiers == {tier}:
-            self._replicate(block, tier, TIER_ORDER[TIER_ORDER.index(tier) + 1], set(), evict=True)
+        only copy (making room there recursively), or, from a bottom host tier, up into free
+        device room."""
+        if block.tiers == {tier}:  # down one tier, or up into free device room (_promotable)
+            below = self._below[tier]
+            self._evicting_from_device += tier == DEVICE
+            try:
+                self._replicate(block, tier, below[0] if below else DEVICE, set(), evict=True)
+            finally:
+                self._evicting_from_device -= tier == DEVICE
         else:
             self._free(block, tier)
 

@@ -63,3 +63,47 @@ def test_peak_is_reported_and_reached() -> None:
     rep = assert_within_budgets(wrapped)
     dev = rep["tiers"]["device"]
     assert dev["peak"] > 0.8 * dev["capacity"]
+
+
+def test_near_capacity_without_nvme_is_refused_up_front_or_trains() -> None:
+    """Without NVMe, budgets whose sum is just above the state either are refused before anything
+    moves (by wrap, naming the budget, or by the optimizer, naming the bytes in whole slots) or
+    train exactly as eager: never an out-of-memory error in the middle of a step, which would leave
+    it half-applied (found by random budgets: half the accepted ones failed so, for small blocks
+    taking whole host slots and a full host that could not use free device room).
+    Chunks hold every parameter (no block spans several slots)."""
+    import random
+
+    accepted = 0
+    for seed in range(16):
+        r = random.Random(seed)
+        d, n_layer, chunk = r.choice([16, 32]), r.choice([1, 2, 3]), r.choice([16384, 32768])
+        flags = r.choice([{}, {"routed": True}, {"checkpointing": True}])
+        policy = r.choice(["auto", "lru", "static", "opt", "hotness"])
+
+        def make() -> GPT:
+            torch.manual_seed(seed)
+            return GPT(d=d, n_layer=n_layer, **flags)
+
+        probe = hetero.wrap(make(), device="cpu", chunk_size=chunk)
+        slots = probe._hetero_state.runtime.slot_bytes  # the state in whole host slots
+        state = sum(slots(b.nbytes) * (3 if b.kind == "param" else 1)  # param, grad, m, v
+                    for c in probe._hetero_state.chunks for b in c.blocks.values())
+        probe.close()
+        device = int(state * r.uniform(0.1, 0.6))
+        kw = dict(device="cpu", device_budget=device, host_budget=int(state * r.uniform(0.97, 1.15)) - device,
+                  chunk_size=chunk, policy=policy)
+        try:
+            e, h, eager, wrapped = train_pair(make, kw, batches(3, seed=seed))
+        except hetero.HeteroConfigError as err:
+            assert "budget" in str(err) and ">=" in str(err)
+            continue
+        except hetero.HeteroOOMError as err:
+            assert "optimizer states need" in str(err) and "slots" in str(err), err
+            continue
+        accepted += 1
+        assert h == pytest.approx(e, rel=1e-5), (seed, kw)
+        assert_same_model(eager, wrapped)
+        assert_within_budgets(wrapped)
+        wrapped.close()
+    assert accepted >= 6, f"only {accepted} of 16 configurations were accepted: the test no longer tests training"

@@ -680,6 +680,49 @@ def test_a_hint_that_finds_no_room_is_dropped(rig) -> None:
     rt.release([h], HOST)
 
 
+
+def test_a_full_host_without_nvme_moves_a_block_up_into_free_device_room(rig) -> None:
+    """With no NVMe tier the host is the bottom: a full host makes room by moving a block whose
+    only copy it holds up into free device room, data intact (found by random near-capacity
+    budgets: optimizer steps failed with room left on the device)."""
+    rt = rig(2, 2)
+    a, b, c = TB("a", 1024), TB("b", 1024), TB("c", 1024)
+    rt.create(a, torch.full((1024,), 1.0), tier=HOST)
+    rt.create(b, torch.full((1024,), 2.0), tier=HOST)
+    rt.acquire([c], HOST, write=True)  # created on the host, which a and b fill
+    rt.data(c, HOST).fill_(3.0)
+    rt.release([c], HOST)
+    rt.drain()
+    invariants(rt)
+    moved = [x for x in (a, b) if x.tiers == {DEVICE}]
+    assert len(moved) == 1 and c.tiers == {HOST}, (a, b, c)
+    assert rt.tracker.traffic["host->device"] == 1024 * 4
+    for x, v in ((a, 1.0), (b, 2.0), (c, 3.0)):
+        assert torch.equal(rt.read(x), torch.full((1024,), v)), x
+
+
+def test_a_host_making_room_for_a_device_eviction_moves_nothing_up(rig, monkeypatch) -> None:
+    """While the device evicts a block down to a full host, the host must not make room by moving
+    a block up into the device room being freed: the two tiers would trade blocks for ever. The
+    placement fails instead, with nothing pinned."""
+    rt = rig(2, 1)
+    d, h, z = TB("d", 1024), TB("h", 1024), TB("z", 2048)
+    rt.create(d, tier=DEVICE)
+    rt.create(h, tier=HOST)
+    evictions = 0
+    evict = rt._evict
+
+    def counted(block, tier):
+        nonlocal evictions
+        evictions += 1
+        assert evictions < 20, "the device and host trade blocks back and forth"
+        evict(block, tier)
+
+    monkeypatch.setattr(rt, "_evict", counted)
+    with pytest.raises(HeteroOOMError):
+        rt.acquire([z], DEVICE)  # 2 slots: d must go down, and the host holds h only
+    assert d.tiers == {DEVICE} and h.tiers == {HOST} and not z.pins.get(DEVICE)
+
 def _first_step_ready(path: str, policy: str, device: float = 0.8, host: float = 0.3, **kw):
     model = wrap_gpt(path, device, host, policy, **kw)
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)

@@ -27,7 +27,7 @@ import torch
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import format_size
 from ..errors import HeteroConfigError, HeteroOOMError
-from ..tiers import DEVICE, HOST, NVME, align_up
+from ..tiers import DEVICE, HOST, NVME
 from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
 
 log = logging.getLogger(__name__)
@@ -88,15 +88,20 @@ class Adam(torch.optim.Optimizer):
                 if c.requires_grad and any(id(s.param) in groups for s in c.slots)]
 
     def _check_capacity(self) -> None:
-        """Refuse up front when parameters, gradients and these optimizer states cannot all fit."""
+        """Refuse up front when parameters, gradients and these optimizer states cannot all fit,
+        counting each block as the whole slots it would take on the host or NVMe tier and those
+        tiers as the whole slots their budgets hold (the device holds exact bytes, so this errs
+        on the side of refusing)."""
         rt = self._state.runtime
-        need = sum(align_up(b.nbytes) for c in self._state.chunks for b in c.blocks.values())
-        need += sum(2 * align_up(c.full_precision.nbytes) for c in self._chunks() if EXP_AVG not in c.blocks)
-        capacity = sum(t.capacity for t in rt.tiers.values())
-        if need > capacity:
+        need = sum(rt.slot_bytes(b.nbytes) for c in self._state.chunks for b in c.blocks.values())
+        need += sum(2 * rt.slot_bytes(c.full_precision.nbytes) for c in self._chunks() if EXP_AVG not in c.blocks)
+        held = {n: t.capacity if n == DEVICE else t.capacity // rt.slot_size * rt.slot_size
+                for n, t in rt.tiers.items()}
+        if need > sum(held.values()):
             raise HeteroOOMError(
-                f"parameters, gradients and optimizer states need {format_size(need)} but the tiers "
-                f"hold {format_size(capacity)} ({', '.join(f'{n} {format_size(t.capacity)}' for n, t in rt.tiers.items())}); "
+                f"parameters, gradients and optimizer states need {format_size(need)} (host and NVMe "
+                f"take whole {format_size(rt.slot_size)} slots) but the tiers hold "
+                f"{format_size(sum(held.values()))} ({', '.join(f'{n} {format_size(b)}' for n, b in held.items())}); "
                 "raise a budget or set nvme_path")
 
     # ------------------------------------------------------------------ stepping
