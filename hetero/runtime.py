@@ -55,7 +55,7 @@ from .config import Config, format_size
 from .errors import HeteroIOError, HeteroOOMError
 from .policies import BlockInfo, Policy
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, TierStorage,
-                    slot_size_for, slots_for)
+                    is_small, slot_cost, slot_size_for, slots_for)
 from .tracker import Tracker
 from .transfers import Deferred, InFlight, Op, region
 from .victims import Victims
@@ -614,17 +614,18 @@ class Runtime:
         return True
 
     def _make_room(self, block: Block, tier: str, horizon: float) -> bool:
-        """Free room for ``block`` on ``tier`` by evicting only blocks needed after ``horizon``."""
+        """Free room for ``block`` on ``tier`` by evicting only blocks needed after ``horizon``:
+        bytes of its budget, then (below the device) a free run of slots or units in which the
+        placement cannot fail, so that the placement itself evicts nothing."""
         t = self.tiers[tier]
         need = self._size_on(tier, block)
+        later = lambda b: self._evictable(b, tier, {block}) and self.policy.next_use(b.id, tier) > horizon  # noqa: E731
         while t.free < need:
-            victim = self._victims.choose(
-                tier, self._on[tier], self._info,
-                lambda b: self._evictable(b, tier, {block}) and self.policy.next_use(b.id, tier) > horizon)
+            victim = self._victims.choose(tier, self._on[tier], self._info, later)
             if victim is None:
                 return False
             self._evict(victim, tier)
-        return True
+        return tier == DEVICE or self._make_run(block, tier, later)
 
     # ------------------------------------------------------------------ logical placement
 
@@ -647,11 +648,12 @@ class Runtime:
         self.tracker.used(tier, t.used)
 
     def slot_bytes(self, nbytes: int) -> int:
-        """Bytes a block of ``nbytes`` takes from the host or NVMe budget: whole slots."""
-        return slots_for(nbytes, self.slot_size) * self.slot_size
+        """Bytes a block of ``nbytes`` takes from the host or NVMe budget: whole slots, or units
+        of a shared slot for a small block (:func:`~hetero.tiers.slot_cost`)."""
+        return slot_cost(nbytes, self.slot_size)
 
     def _size_on(self, tier: str, block: Block) -> int:
-        """Bytes ``block`` takes from ``tier``'s budget: whole slots below the device."""
+        """Bytes ``block`` takes from ``tier``'s budget (:meth:`slot_bytes` below the device)."""
         return block.nbytes if tier == DEVICE else self.slot_bytes(block.nbytes)
 
     def _fetch(self, block: Block, tier: str, protect: set[Block]) -> None:
@@ -705,15 +707,35 @@ class Runtime:
                 return victim
         return None
 
-    def _windows(self, block: Block, tier: str, protect: set[Block]) -> list[list[Block]]:
-        """The blocks to evict for a contiguous run for ``block`` on ``tier``, one list per pool
-        that can make one; with blocks that would move up only when no run can be made without."""
-        for up in (False, True):
-            windows = [w for w in (p.window(block.nbytes, lambda b: self._evictable(b, tier, protect, up))
-                                   for p in self.storage.pools(tier)) if w is not None]
-            if windows or not self._bottom_host(tier):
-                return windows
-        return []
+    def _make_run(self, block: Block, tier: str, eligible: Callable[[Block], bool]) -> bool:
+        """With ``block``'s bytes free in ``tier``'s budget but no room to place it (its slots
+        or units are not contiguous), evict ``eligible`` blocks until there is: for a small
+        block, the fewest in a slab; for one needing a single slot, the policy's victim among
+        blocks holding whole slots; else the cheapest run of slots. False where none will do."""
+        pools = self.storage.pools(tier)
+        single = slots_for(block.nbytes, self.slot_size) == 1
+        while not any(p.fits(block.nbytes) for p in pools):
+            units = [w for w in (p.unit_window(block.nbytes, eligible) for p in pools) if w is not None]
+            if units:
+                self._evict_all(min(units, key=len), tier, eligible)
+                continue
+            if single:
+                victim = self._victims.choose(
+                    tier, self._on[tier], self._info,
+                    lambda b: not is_small(b.nbytes, self.slot_size) and eligible(b))
+                if victim is not None:
+                    self._evict(victim, tier)
+                    continue
+            windows = [w for w in (p.window(block.nbytes, eligible) for p in pools) if w is not None]
+            if not windows:
+                return False
+            self._evict_all(min(windows, key=len), tier, eligible)
+        return True
+
+    def _evict_all(self, blocks: list[Block], tier: str, eligible: Callable[[Block], bool]) -> None:
+        for victim in blocks:
+            if eligible(victim):  # (a block moving up may have taken the device room the next needed)
+                self._evict(victim, tier)
 
     def _room_to_promote(self, tier: str) -> bool:
         """Where a full bottom host has no block to move up, make device room for one by
@@ -750,15 +772,13 @@ class Runtime:
                     raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
                 self._evict(victim, tier)
                 continue
-            windows = self._windows(block, tier, protect)
-            if not windows and (self._drop_shadow(tier) or self._room_to_promote(tier)):
+            if (self._make_run(block, tier, lambda b: self._evictable(b, tier, protect))
+                    or (self._bottom_host(tier) and self._make_run(
+                        block, tier, lambda b: self._evictable(b, tier, protect, up=True)))
+                    or self._drop_shadow(tier) or self._room_to_promote(tier)):
                 continue
-            if not windows:
-                raise HeteroOOMError(self._oom_message(
-                    block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))
-            for victim in min(windows, key=len):
-                if self._evictable(victim, tier, protect, up=True):  # (an earlier one may have taken the device room)
-                    self._evict(victim, tier)
+            raise HeteroOOMError(self._oom_message(
+                block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))
 
     def _evict(self, block: Block, tier: str) -> None:
         """Remove ``block``'s copy from ``tier``, first writing it one tier down if it is the

@@ -6,7 +6,8 @@ it over capacity, so "a budget is a hard cap" is enforced in one place.
 
 The host tier stores blocks in one :class:`HostArena` (pinned when CUDA is present) and the NVMe
 tier in a few large swap files (:class:`SwapSpace`) in a private directory. Both are carved into
-fixed, 4 KiB-aligned slots of about the chunk size by the same :class:`SlotPool`.
+fixed, 4 KiB-aligned slots of about the chunk size by the same :class:`SlotPool`; blocks of up to
+half a slot share slots (:class:`Slab`), in units of a sixteenth of one.
 """
 
 from __future__ import annotations
@@ -74,26 +75,131 @@ def slots_for(nbytes: int, slot_size: int) -> int:
     return max(1, -(-nbytes // slot_size))
 
 
+#: units a slot is split into for small blocks (rounded up to the alignment swap I/O needs)
+UNITS_PER_SLOT = 16
+
+
+def unit_for(slot_size: int) -> int:
+    """Size of the units a slab slot is carved into (at least the O_DIRECT alignment)."""
+    return align_up(-(-slot_size // UNITS_PER_SLOT))
+
+
+def is_small(nbytes: int, slot_size: int) -> bool:
+    """Whether a block of ``nbytes`` shares a slot with others (a slab) instead of taking whole
+    slots: at most half a slot, where a slot holds at least two units."""
+    return 2 * nbytes <= slot_size and slot_size // unit_for(slot_size) >= 2
+
+
+def slot_cost(nbytes: int, slot_size: int) -> int:
+    """Bytes a block takes from a host or NVMe budget: its units in a slab when small, else
+    its whole slots."""
+    if is_small(nbytes, slot_size):
+        unit = unit_for(slot_size)
+        return max(1, -(-nbytes // unit)) * unit
+    return slots_for(nbytes, slot_size) * slot_size
+
+
+class Slab:
+    """A slot shared by small blocks, each in a run of contiguous units."""
+
+    __slots__ = ("units", "free")
+
+    def __init__(self, n: int) -> None:
+        self.units: list[Optional[object]] = [None] * n
+        self.free = (1 << n) - 1  # bit i set: unit i is free
+
+    def owners(self) -> list[object]:
+        return list({id(o): o for o in self.units if o is not None}.values())
+
+    @staticmethod
+    def starts(mask: int, k: int) -> int:
+        """Bit i set where units i .. i+k-1 all have their bit set in ``mask``."""
+        r = mask
+        for j in range(1, k):
+            r &= mask >> j
+        return r
+
+    def first_run(self, k: int) -> Optional[int]:
+        """The first unit of the lowest run of ``k`` free units, or None."""
+        r = self.starts(self.free, k)
+        return (r & -r).bit_length() - 1 if r else None
+
+    def cheapest_run(self, k: int, evictable: "Callable[[object], bool]") -> Optional[tuple[int, int]]:
+        """``(occupied units, first unit)`` of the run of ``k`` units holding only free units and
+        ``evictable`` owners with the fewest occupied units (the lowest such), or None."""
+        movable = self.free
+        for u, o in enumerate(self.units):
+            if o is not None and evictable(o):
+                movable |= 1 << u
+        r = self.starts(movable, k)
+        best = None
+        run = (1 << k) - 1
+        while r:
+            u = (r & -r).bit_length() - 1
+            occupied = ((~self.free >> u) & run).bit_count()
+            if best is None or occupied < best[0]:
+                best = (occupied, u)
+            r &= r - 1
+        return best
+
+    def assign(self, u: int, k: int, owner: Optional[object]) -> None:
+        self.units[u:u + k] = [owner] * k
+        bits = ((1 << k) - 1) << u
+        self.free = self.free | bits if owner is None else self.free & ~bits
+
+
 class SlotPool:
-    """Fixed-size slots; a block takes ``ceil(nbytes / slot_size)`` contiguous slots (first fit).
+    """Fixed-size slots. A block takes ``ceil(nbytes / slot_size)`` contiguous slots (first fit),
+    except a small one (:func:`is_small`: at most half a slot), which takes contiguous units of a
+    slot it shares with other small blocks (a :class:`Slab`).
 
     Pure bookkeeping (no memory), used for the host arena and each swap file. With the slot size
-    set to the chunk size nearly every block takes one slot, so free space is never too
-    fragmented to use; a block larger than a slot (a parameter bigger than ``chunk_size``) needs a
+    set to the chunk size nearly every large block takes one slot, so free space is never too
+    fragmented to use, and slabs keep a unit's biases and norms and a chunk's tail from each
+    holding a whole slot (which doubled the memory a tier needed for some models and chunk
+    sizes). A block larger than a slot (a parameter bigger than ``chunk_size``) needs a
     contiguous run, which :meth:`window` finds by naming the blocks to evict.
     """
 
     def __init__(self, nslots: int, slot_size: int) -> None:
         self.slot_size = slot_size
-        self.owner: list[Optional[object]] = [None] * nslots
+        self.unit = unit_for(slot_size)
+        self.owner: list[Optional[object]] = [None] * nslots  # a block, a Slab, or None (free)
+        self._slabs: dict[int, Slab] = {}  # slot index -> its slab
         self._low = 0  # no slot below this one is free: first fit starts looking here
 
     def slots_for(self, nbytes: int) -> int:
         return slots_for(nbytes, self.slot_size)
 
-    def alloc(self, nbytes: int, owner: object) -> Optional[int]:
-        """Byte offset of ``slots_for(nbytes)`` free contiguous slots now owned by ``owner``."""
-        n = self.slots_for(nbytes)
+    def _units(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.unit))
+
+    def blocks(self) -> "list[tuple[int, object]]":
+        """``(offset, owner)`` of every placement, slab members included."""
+        out: list[tuple[int, object]] = []
+        for i, o in enumerate(self.owner):
+            if isinstance(o, Slab):
+                seen: set[int] = set()
+                for u, b in enumerate(o.units):
+                    if b is not None and id(b) not in seen:
+                        seen.add(id(b))
+                        out.append((i * self.slot_size + u * self.unit, b))
+            elif o is not None and (i == 0 or self.owner[i - 1] is not o):
+                out.append((i * self.slot_size, o))
+        return out
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether :meth:`alloc` would find room for ``nbytes`` now."""
+        if is_small(nbytes, self.slot_size):
+            k = self._units(nbytes)
+            if any(slab.first_run(k) is not None for slab in self._slabs.values()):
+                return True
+            return self._first_fit(1)[0] is not None
+        return self._first_fit(self.slots_for(nbytes))[0] is not None
+
+    def _first_fit(self, n: int) -> tuple[Optional[int], Optional[int]]:
+        """The first slot of the lowest run of ``n`` free slots (or None), and the lowest free
+        slot (or None)."""
         owners = self.owner
         run, first = 0, None
         for i in range(self._low, len(owners)):
@@ -104,15 +210,52 @@ class SlotPool:
                 first = i
             run += 1
             if run == n:
-                start = i - n + 1
-                owners[start:i + 1] = [owner] * n
-                self._low = i + 1 if start == first else first
-                return start * self.slot_size
-        self._low = len(owners) if first is None else first
-        return None
+                return i - n + 1, first
+        return None, first
+
+    def alloc(self, nbytes: int, owner: object) -> Optional[int]:
+        """Byte offset of free room for ``nbytes`` now owned by ``owner``, or None."""
+        if is_small(nbytes, self.slot_size):
+            k = self._units(nbytes)
+            for i, slab in self._slabs.items():
+                u = slab.first_run(k)
+                if u is not None:
+                    slab.assign(u, k, owner)
+                    return i * self.slot_size + u * self.unit
+            i = self._take_slots(1, None)
+            if i is None:
+                return None
+            slab = self.owner[i] = self._slabs[i] = Slab(self.slot_size // self.unit)
+            slab.assign(0, k, owner)
+            return i * self.slot_size
+        i = self._take_slots(self.slots_for(nbytes), owner)
+        return None if i is None else i * self.slot_size
+
+    def _take_slots(self, n: int, owner: object) -> Optional[int]:
+        """First fit of ``n`` free contiguous slots, given to ``owner``; their first index."""
+        start, first = self._first_fit(n)
+        if start is None:
+            self._low = len(self.owner) if first is None else first
+            return None
+        self.owner[start:start + n] = [owner] * n
+        self._low = start + n if start == first else first
+        return start
 
     def free(self, offset: int, nbytes: int) -> None:
         start = offset // self.slot_size
+        if is_small(nbytes, self.slot_size):
+            slab = self.owner[start]
+            assert isinstance(slab, Slab), "bad free"
+            u, k = offset % self.slot_size // self.unit, self._units(nbytes)
+            run = slab.units[u:u + k]
+            assert run and run[0] is not None and all(o is run[0] for o in run), "bad free"
+            slab.assign(u, k, None)
+            if slab.free != (1 << len(slab.units)) - 1:
+                return
+            del self._slabs[start]
+            self.owner[start] = None
+            self._low = min(self._low, start)
+            return
         n = self.slots_for(nbytes)
         owners = self.owner[start:start + n]
         assert owners and owners[0] is not None and all(o is owners[0] for o in owners), "bad free"
@@ -120,38 +263,69 @@ class SlotPool:
         self._low = min(self._low, start)
 
     def take(self, offset: int, nbytes: int, owner: object) -> None:
-        """Give the (free) slots at ``offset`` to ``owner`` again: undoing a free."""
+        """Give the (free) room at ``offset`` to ``owner`` again: undoing a free."""
         start = offset // self.slot_size
+        if is_small(nbytes, self.slot_size):
+            slab = self.owner[start]
+            if slab is None:
+                slab = self.owner[start] = self._slabs[start] = Slab(self.slot_size // self.unit)
+            assert isinstance(slab, Slab), "runtime bug: slot in use"
+            u, k = offset % self.slot_size // self.unit, self._units(nbytes)
+            assert all(o is None for o in slab.units[u:u + k]), "runtime bug: units in use"
+            slab.assign(u, k, owner)
+            return
         n = self.slots_for(nbytes)
         assert all(o is None for o in self.owner[start:start + n]), "runtime bug: slots in use"
         self.owner[start:start + n] = [owner] * n
 
+    def unit_window(self, nbytes: int, evictable: "Callable[[object], bool]") -> Optional[list[object]]:
+        """For a small block: the owners to evict for a run of its units in a slab, the run of
+        free units and ``evictable`` owners with the fewest occupied units; else None."""
+        if not is_small(nbytes, self.slot_size):
+            return None
+        k = self._units(nbytes)
+        best = None
+        for slab in self._slabs.values():
+            found = slab.cheapest_run(k, evictable)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = (found[0], slab.units[found[1]:found[1] + k])
+        return None if best is None else list({id(o): o for o in best[1] if o is not None}.values())
+
     def window(self, nbytes: int, evictable: "Callable[[object], bool]") -> Optional[list[object]]:
-        """The owners to evict to free a run for ``nbytes``: the run of ``slots_for(nbytes)``
-        slots holding only free slots and evictable owners, with the fewest occupied slots."""
+        """The owners to evict for a run of ``slots_for(nbytes)`` slots (a small block needs one
+        for a new slab), the run holding only free slots, ``evictable`` owners and slabs of
+        evictable owners with the fewest occupied slots; None if there is none."""
         n = self.slots_for(nbytes)
         owners = self.owner
         movable: dict[int, bool] = {}  # evictable() once per owner, not once per slot and run
+
+        def ok(o: object) -> bool:
+            found = movable.get(id(o))
+            if found is None:
+                found = movable[id(o)] = (all(evictable(b) for b in o.owners()) if isinstance(o, Slab)
+                                          else bool(evictable(o)))
+            return found
+
         best: Optional[tuple[int, int]] = None  # (occupied slots, first slot), the first cheapest
         occupied = blocked = 0  # in the run of n slots ending at slot i
         for i, o in enumerate(owners):
             if o is not None:
-                ok = movable.get(id(o))
-                if ok is None:
-                    ok = movable[id(o)] = bool(evictable(o))
                 occupied += 1
-                blocked += not ok
+                blocked += not ok(o)
             if i >= n and owners[i - n] is not None:  # the slot leaving the run
                 occupied -= 1
-                blocked -= not movable[id(owners[i - n])]
+                blocked -= not ok(owners[i - n])
             if i >= n - 1 and not blocked and (best is None or occupied < best[0]):
                 best = (occupied, i - n + 1)
                 if not occupied:
                     break  # a free run: nothing can be cheaper
         if best is None:
             return None
-        run = owners[best[1]:best[1] + n]
-        return list({id(o): o for o in run if o is not None}.values())
+        out: dict[int, object] = {}
+        for o in owners[best[1]:best[1] + n]:
+            for b in (o.owners() if isinstance(o, Slab) else [o] if o is not None else []):
+                out[id(b)] = b
+        return list(out.values())
 
 
 class HostArena:

@@ -67,7 +67,7 @@ def test_peak_is_reported_and_reached() -> None:
 
 def test_near_capacity_without_nvme_is_refused_up_front_or_trains() -> None:
     """Without NVMe, budgets whose sum is just above the state either are refused before anything
-    moves (by wrap, naming the budget, or by the optimizer, naming the bytes in whole slots) or
+    moves (by wrap, naming the budget, or by the optimizer, naming the bytes in host slots) or
     train exactly as eager: never an out-of-memory error in the middle of a step, which would leave
     it half-applied (found by random budgets: half the accepted ones failed so, for small blocks
     taking whole host slots and a full host that could not use free device room).

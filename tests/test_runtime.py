@@ -83,6 +83,88 @@ def test_slot_pool_window_names_the_cheapest_evictions() -> None:
     assert pool.window(30, lambda o: o not in pinned) == [a, b, c]
     pinned = {a, d}
     assert pool.window(30, lambda o: o not in pinned) is None
+
+
+KIB = 1024
+SLAB_SLOT = 64 * KIB  # 16 units of 4 KiB: blocks up to 32 KiB share slots
+
+
+def _extent(pool: SlotPool, off: int, n: int) -> tuple[int, int]:
+    from hetero.tiers import slot_cost
+
+    return off, off + slot_cost(n, pool.slot_size)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "take"]), st.integers(1, 150 * KIB)), max_size=60),
+       st.integers(1, 150 * KIB), st.sets(st.integers(0, 59)))
+def test_slot_pool_with_slabs_never_overlaps_and_windows_make_room(ops, want, pinned) -> None:
+    """Blocks up to half a slot share slots in 4 KiB units, larger ones take whole slots: live
+    placements never overlap, stay inside the pool and are aligned; a window's evictions (units
+    in a slab, else a run of slots) make room for the block it was asked for, and no window
+    means that even evicting every evictable block would not; freeing everything gives the
+    whole pool back."""
+    from hetero.tiers import ALIGN, is_small
+
+    pool = SlotPool(8, SLAB_SLOT)
+    assert pool.unit == 4 * KIB and is_small(32 * KIB, SLAB_SLOT) and not is_small(32 * KIB + 1, SLAB_SLOT)
+    live: dict[int, tuple[int, int]] = {}  # offset -> (nbytes, owner index)
+    names = iter(range(10**6))
+    for op, n in ops:
+        if op == "free" and live:
+            off = sorted(live)[n % len(live)]
+            pool.free(off, live.pop(off)[0])
+            continue
+        if op == "take" and live:  # free a placement and take the same room back
+            off = sorted(live)[n % len(live)]
+            size, who = live[off]
+            pool.free(off, size)
+            pool.take(off, size, who)
+            continue
+        who = next(names)
+        off = pool.alloc(n, who)
+        if off is None:
+            continue
+        start, end = _extent(pool, off, n)
+        assert off % ALIGN == 0 and end <= 8 * SLAB_SLOT
+        for o, (m, _) in live.items():
+            s2, e2 = _extent(pool, o, m)
+            assert end <= s2 or e2 <= start, f"{n} at {off} overlaps {m} at {o}"
+        live[off] = (n, who)
+    assert sorted((o, w) for o, w in pool.blocks()) == sorted((o, w) for o, (_, w) in live.items())
+    evictable = lambda w: w % 60 not in pinned  # noqa: E731
+    window = pool.unit_window(want, evictable)  # a small block: units in a slab first
+    if window is None:
+        window = pool.window(want, evictable)  # else a run of slots (one for a new slab)
+    at = {w: o for o, (_, w) in live.items()}
+    if window is None:  # no room even with every evictable block gone
+        for w in [w for w in at if evictable(w)]:
+            pool.free(at[w], live.pop(at[w])[0])
+        assert pool.alloc(want, "new") is None
+    else:
+        assert all(evictable(w) for w in window)
+        for w in window:
+            pool.free(at[w], live.pop(at[w])[0])
+        assert pool.alloc(want, "new") is not None
+        return
+    for off, (n, _) in list(live.items()):
+        pool.free(off, n)
+    assert pool.alloc(8 * SLAB_SLOT, object()) == 0
+
+
+def test_small_blocks_share_a_slot() -> None:
+    """Sixteen 4 KiB blocks take one 64 KiB slot (they each took a whole slot before slabs);
+    the slot is free again once the last of them is."""
+    pool = SlotPool(2, SLAB_SLOT)
+    offs = [pool.alloc(3000, i) for i in range(16)]
+    assert offs == [i * 4 * KIB for i in range(16)]
+    assert pool.alloc(SLAB_SLOT, "big") == SLAB_SLOT  # the second slot: the first is the slab's
+    assert pool.alloc(1, "one more") is None
+    for i, off in enumerate(offs):
+        pool.free(off, 3000)
+    assert pool.alloc(SLAB_SLOT, "again") == 0
+
+
 def test_tier_refuses_to_exceed_capacity() -> None:
     t = Tier("device", 100)
     t.reserve(60)

@@ -121,11 +121,12 @@ def invariants(rt: R.Runtime) -> None:
         if tier not in rt.tiers:
             continue
         owners = set()
-        for pool in rt.storage.pools(tier):
-            for i, o in enumerate(pool.owner):
-                if o is not None:
-                    assert tier in o.tiers, f"{tier} slot {i} owned by {o!r}, which has no copy there"
-                    owners.add(id(o))
+        for p, pool in enumerate(rt.storage.pools(tier)):
+            for off, o in pool.blocks():
+                assert tier in o.tiers, f"{tier} offset {off} owned by {o!r}, which has no copy there"
+                loc = rt.storage.loc(o, tier)
+                assert loc == (off if tier == HOST else (p, off)), f"{o} is at {loc}, its slots at {off}"
+                owners.add(id(o))
         for b in rt.blocks():
             if tier in b.tiers:
                 assert rt.storage.loc(b, tier) is not None and id(b) in owners, f"{b} owns no {tier} slots"
