@@ -54,7 +54,7 @@ from .chunks import EXP_AVG, Block, Chunk
 from .config import Config, format_size
 from .errors import HeteroIOError, HeteroOOMError
 from .policies import BlockInfo, Policy
-from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SwapSpace, Tier, TierStorage,
+from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SlotPool, SwapSpace, Tier, TierStorage,
                     is_small, slot_cost, slot_size_for, slots_for)
 from .tracker import Tracker
 from .transfers import Deferred, InFlight, Op, region
@@ -751,6 +751,45 @@ class Runtime:
         self._free(victim, DEVICE)
         return True
 
+    def _compact(self, block: Block, tier: str, protect: set[Block]) -> bool:
+        """Where a host with no tier below has the bytes for ``block`` but no contiguous run, and
+        no block can leave it: open a run by moving the blocks in it elsewhere in the host (a
+        copy each; blocks with another copy just leave). False where no run holds only blocks
+        that may move, or they do not all find room outside it."""
+        if tier != HOST or self._below[HOST]:
+            return False
+        pool = self.storage.pools(HOST)[0]
+
+        def movable(b: object) -> bool:  # (a block spanning slots would need a run of its own)
+            return (self._blocks.get(getattr(b, "id", None)) is b and not b.pins.get(HOST)
+                    and b not in protect and b not in self._placing and b not in self._protected
+                    and (self._evictable(b, HOST, protect) or pool.slots_for(b.nbytes) == 1))
+
+        found = pool.window_at(block.nbytes, movable)
+        if found is None:
+            return False
+        run, blocks = found
+        for b in blocks:
+            if self._evictable(b, HOST, protect):
+                self._evict(b, HOST)
+            elif not self._relocate(b, pool, run):
+                return False
+        return True
+
+    def _relocate(self, block: Block, pool: SlotPool, avoid: range) -> bool:
+        """Move ``block``'s host copy to free slots outside ``avoid`` (an asynchronous copy that
+        later users of either place wait for, like any transfer); False where there are none."""
+        new = pool.alloc(block.nbytes, block, avoid)
+        if new is None:
+            return False
+        pool.free(new, block.nbytes)  # (taken again below, as the block's location)
+        old = self.storage.loc(block, HOST)
+        self.storage.forget(block, HOST)
+        self.storage.adopt(block, HOST, new)
+        self._issue(block, HOST, HOST, old, new, freed_src=True, prefetch=False)
+        log.debug("hetero: moved %s within the host to make a contiguous run", block.id)
+        return True
+
     def _alloc(self, block: Block, tier: str, protect: set[Block]) -> None:
         """Reserve space for ``block`` on ``tier``, evicting as needed: policy-chosen victims while
         bytes are short, then (for a block spanning several slots) the cheapest contiguous run."""
@@ -775,7 +814,8 @@ class Runtime:
             if (self._make_run(block, tier, lambda b: self._evictable(b, tier, protect))
                     or (self._bottom_host(tier) and self._make_run(
                         block, tier, lambda b: self._evictable(b, tier, protect, up=True)))
-                    or self._drop_shadow(tier) or self._room_to_promote(tier)):
+                    or self._drop_shadow(tier) or self._room_to_promote(tier)
+                    or self._compact(block, tier, protect)):
                 continue
             raise HeteroOOMError(self._oom_message(
                 block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))

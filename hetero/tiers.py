@@ -197,13 +197,13 @@ class SlotPool:
             return self._first_fit(1)[0] is not None
         return self._first_fit(self.slots_for(nbytes))[0] is not None
 
-    def _first_fit(self, n: int) -> tuple[Optional[int], Optional[int]]:
-        """The first slot of the lowest run of ``n`` free slots (or None), and the lowest free
-        slot (or None)."""
+    def _first_fit(self, n: int, avoid: range = range(0)) -> tuple[Optional[int], Optional[int]]:
+        """The first slot of the lowest run of ``n`` free slots outside ``avoid`` (or None), and
+        the lowest free slot (or None)."""
         owners = self.owner
         run, first = 0, None
         for i in range(self._low, len(owners)):
-            if owners[i] is not None:
+            if owners[i] is not None or i in avoid:
                 run = 0
                 continue
             if first is None:
@@ -213,32 +213,36 @@ class SlotPool:
                 return i - n + 1, first
         return None, first
 
-    def alloc(self, nbytes: int, owner: object) -> Optional[int]:
-        """Byte offset of free room for ``nbytes`` now owned by ``owner``, or None."""
+    def alloc(self, nbytes: int, owner: object, avoid: range = range(0)) -> Optional[int]:
+        """Byte offset of free room for ``nbytes`` now owned by ``owner``, or None; not in the
+        slots ``avoid``."""
         if is_small(nbytes, self.slot_size):
             k = self._units(nbytes)
             for i, slab in self._slabs.items():
-                u = slab.first_run(k)
+                u = slab.first_run(k) if i not in avoid else None
                 if u is not None:
                     slab.assign(u, k, owner)
                     return i * self.slot_size + u * self.unit
-            i = self._take_slots(1, None)
+            i = self._take_slots(1, None, avoid)
             if i is None:
                 return None
             slab = self.owner[i] = self._slabs[i] = Slab(self.slot_size // self.unit)
             slab.assign(0, k, owner)
             return i * self.slot_size
-        i = self._take_slots(self.slots_for(nbytes), owner)
+        i = self._take_slots(self.slots_for(nbytes), owner, avoid)
         return None if i is None else i * self.slot_size
 
-    def _take_slots(self, n: int, owner: object) -> Optional[int]:
-        """First fit of ``n`` free contiguous slots, given to ``owner``; their first index."""
-        start, first = self._first_fit(n)
+    def _take_slots(self, n: int, owner: object, avoid: range) -> Optional[int]:
+        """First fit of ``n`` free contiguous slots outside ``avoid``, given to ``owner``; their
+        first index."""
+        start, first = self._first_fit(n, avoid)
         if start is None:
-            self._low = len(self.owner) if first is None else first
+            if not avoid:
+                self._low = len(self.owner) if first is None else first
             return None
         self.owner[start:start + n] = [owner] * n
-        self._low = start + n if start == first else first
+        if not avoid:
+            self._low = start + n if start == first else first
         return start
 
     def free(self, offset: int, nbytes: int) -> None:
@@ -295,6 +299,11 @@ class SlotPool:
         """The owners to evict for a run of ``slots_for(nbytes)`` slots (a small block needs one
         for a new slab), the run holding only free slots, ``evictable`` owners and slabs of
         evictable owners with the fewest occupied slots; None if there is none."""
+        found = self.window_at(nbytes, evictable)
+        return None if found is None else found[1]
+
+    def window_at(self, nbytes: int, evictable: "Callable[[object], bool]") -> Optional[tuple[range, list[object]]]:
+        """:meth:`window`, with the slots of its run."""
         n = self.slots_for(nbytes)
         owners = self.owner
         movable: dict[int, bool] = {}  # evictable() once per owner, not once per slot and run
@@ -325,7 +334,7 @@ class SlotPool:
         for o in owners[best[1]:best[1] + n]:
             for b in (o.owners() if isinstance(o, Slab) else [o] if o is not None else []):
                 out[id(b)] = b
-        return list(out.values())
+        return range(best[1], best[1] + n), list(out.values())
 
 
 class HostArena:

@@ -702,6 +702,28 @@ def test_a_full_host_without_nvme_moves_a_block_up_into_free_device_room(rig) ->
         assert torch.equal(rt.read(x), torch.full((1024,), v)), x
 
 
+
+def test_a_full_host_without_nvme_moves_blocks_within_itself_for_a_contiguous_run(rig) -> None:
+    """With no NVMe tier and a full device, a block spanning two slots finds its run on a host
+    whose free slots are apart by moving a block into another free slot (a copy), data intact
+    (found by random near-capacity budgets: a gradient larger than a slot had nowhere to go)."""
+    rt = rig(1, 4)
+    d = TB("d", 1024)
+    rt.create(d, torch.full((1024,), 4.0), tier=DEVICE)  # the device is full, and d has no other copy
+    a, x, b = TB("a", 1024), TB("x", 1024), TB("b", 1024)
+    for blk, v in ((a, 1.0), (x, 0.0), (b, 2.0)):
+        rt.create(blk, torch.full((1024,), v), tier=HOST)
+    rt.discard(x)  # host slots: a, free, b, free
+    z = TB("z", 2048)
+    rt.create(z, torch.full((2048,), 3.0), tier=HOST)
+    rt.drain()
+    invariants(rt)
+    assert (a.tiers, b.tiers, d.tiers, z.tiers) == ({HOST}, {HOST}, {DEVICE}, {HOST})
+    assert (z.host_offset, a.host_offset, b.host_offset) == (0, 3 * SLOT, 2 * SLOT)  # a moved out of z's run
+    assert rt.tracker.traffic == {k: 0 for k in rt.tracker.traffic}  # no tier was crossed
+    for blk, v, n in ((a, 1.0, 1024), (b, 2.0, 1024), (d, 4.0, 1024), (z, 3.0, 2048)):
+        assert torch.equal(rt.read(blk), torch.full((n,), v)), blk
+
 def test_a_host_making_room_for_a_device_eviction_moves_nothing_up(rig, monkeypatch) -> None:
     """While the device evicts a block down to a full host, the host must not make room by moving
     a block up into the device room being freed: the two tiers would trade blocks for ever. The
