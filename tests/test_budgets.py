@@ -70,14 +70,17 @@ def test_near_capacity_without_nvme_is_refused_up_front_or_trains() -> None:
     moves (by wrap, naming the budget, or by the optimizer, naming the bytes in host slots) or
     train exactly as eager: never an out-of-memory error in the middle of a step, which would leave
     it half-applied (found by random budgets: half the accepted ones failed so, for small blocks
-    taking whole host slots and a full host that could not use free device room).
-    Chunks hold every parameter (no block spans several slots)."""
+    taking whole host slots, a full host that could not use free device room, and blocks larger
+    than a slot finding no contiguous run). ``HETERO_NEAR_CAPACITY_CONFIGS`` sets how many random
+    configurations (16; the ninth session's note ran 200)."""
+    import os
     import random
 
+    configs = int(os.environ.get("HETERO_NEAR_CAPACITY_CONFIGS", "16"))
     accepted = 0
-    for seed in range(16):
+    for seed in range(configs):
         r = random.Random(seed)
-        d, n_layer, chunk = r.choice([16, 32]), r.choice([1, 2, 3]), r.choice([16384, 32768])
+        d, n_layer, chunk = r.choice([16, 32, 48]), r.choice([1, 2, 3]), r.choice([2048, 4096, 8192, 16384, 32768])
         flags = r.choice([{}, {"routed": True}, {"checkpointing": True}])
         policy = r.choice(["auto", "lru", "static", "opt", "hotness"])
 
@@ -86,7 +89,7 @@ def test_near_capacity_without_nvme_is_refused_up_front_or_trains() -> None:
             return GPT(d=d, n_layer=n_layer, **flags)
 
         probe = hetero.wrap(make(), device="cpu", chunk_size=chunk)
-        slots = probe._hetero_state.runtime.slot_bytes  # the state in whole host slots
+        slots = probe._hetero_state.runtime.slot_bytes  # the state as the host tier charges it
         state = sum(slots(b.nbytes) * (3 if b.kind == "param" else 1)  # param, grad, m, v
                     for c in probe._hetero_state.chunks for b in c.blocks.values())
         probe.close()
@@ -99,11 +102,11 @@ def test_near_capacity_without_nvme_is_refused_up_front_or_trains() -> None:
             assert "budget" in str(err) and ">=" in str(err)
             continue
         except hetero.HeteroOOMError as err:
-            assert "optimizer states need" in str(err) and "slots" in str(err), err
+            assert "optimizer states need" in str(err) and "slots" in str(err), (seed, kw, err)
             continue
         accepted += 1
         assert h == pytest.approx(e, rel=1e-5), (seed, kw)
         assert_same_model(eager, wrapped)
         assert_within_budgets(wrapped)
         wrapped.close()
-    assert accepted >= 6, f"only {accepted} of 16 configurations were accepted: the test no longer tests training"
+    assert accepted >= configs // 3, f"only {accepted} of {configs} configurations were accepted: the test no longer tests training"

@@ -90,18 +90,23 @@ class Adam(torch.optim.Optimizer):
     def _check_capacity(self) -> None:
         """Refuse up front when parameters, gradients and these optimizer states cannot all fit,
         counting each block as the room it would take on the host or NVMe tier (whole slots, or
-        units of a shared slot for a small block) and those tiers as the whole slots their
-        budgets hold (the device holds exact bytes, so this errs on the side of refusing)."""
+        units of a shared slot for a small block), those tiers as the whole slots their budgets
+        hold, and the room of one more block of the largest size: with every tier full, a block
+        coming to the device and one leaving it need a free place to pass each other (without
+        one, two full tiers cannot trade blocks). The device holds exact bytes, so this errs on
+        the side of refusing."""
         rt = self._state.runtime
-        need = sum(rt.slot_bytes(b.nbytes) for c in self._state.chunks for b in c.blocks.values())
-        need += sum(2 * rt.slot_bytes(c.full_precision.nbytes) for c in self._chunks() if EXP_AVG not in c.blocks)
+        sizes = [b.nbytes for c in self._state.chunks for b in c.blocks.values()]
+        sizes += [c.full_precision.nbytes for c in self._chunks() if EXP_AVG not in c.blocks] * 2
+        need = sum(rt.slot_bytes(n) for n in sizes) + rt.slot_bytes(max(sizes, default=0))
         held = {n: t.capacity if n == DEVICE else t.capacity // rt.slot_size * rt.slot_size
                 for n, t in rt.tiers.items()}
         if need > sum(held.values()):
             raise HeteroOOMError(
                 f"parameters, gradients and optimizer states need {format_size(need)} (in host and "
-                f"NVMe {format_size(rt.slot_size)} slots) but the tiers hold "
-                f"{format_size(sum(held.values()))} ({', '.join(f'{n} {format_size(b)}' for n, b in held.items())}); "
+                f"NVMe {format_size(rt.slot_size)} slots, with room to swap the largest block) but "
+                f"the tiers hold {format_size(sum(held.values()))} "
+                f"({', '.join(f'{n} {format_size(b)}' for n, b in held.items())}); "
                 "raise a budget or set nvme_path")
 
     # ------------------------------------------------------------------ stepping
