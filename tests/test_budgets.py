@@ -107,6 +107,8 @@ def test_near_capacity_without_nvme_is_refused_up_front_or_trains() -> None:
         accepted += 1
         assert h == pytest.approx(e, rel=1e-5), (seed, kw)
         assert_same_model(eager, wrapped)
-        assert_within_budgets(wrapped)
+        rep = assert_within_budgets(wrapped)
+        sim = wrapped.placement_report().simulate()  # blocks moved up or within the host replay too
+        assert sim.oom is None and sim.traffic == rep["traffic"], (seed, kw, sim.oom)
         wrapped.close()
     assert accepted >= configs // 3, f"only {accepted} of {configs} configurations were accepted: the test no longer tests training"
