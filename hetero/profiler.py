@@ -25,7 +25,7 @@ class Report:
                  usage: list[tuple[float, str, int]], stalls: list[tuple[float, float, str]],
                  events: list[tuple] = (), catalog: Optional[dict[str, tuple[str, int]]] = None,
                  slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None,
-                 policy: Any = _UNKNOWN) -> None:
+                 policy: Any = _UNKNOWN, nvme_files: Optional[list[int]] = None) -> None:
         # policy: what a replay starts from (a name, or a copy of the run's instance taken before
         # it ran); None where the instance could not be copied; by default the summary's name.
         self._summary = summary
@@ -39,6 +39,7 @@ class Report:
         self.slot_size = slot_size
         self.prefetch = prefetch
         self.host_slots = host_slots  # the host arena's size limit from the model state
+        self.nvme_files = nvme_files  # slots of each swap file
 
     @classmethod
     def from_state(cls, state: "HeteroState") -> "Report":
@@ -68,7 +69,7 @@ class Report:
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
         return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
                    list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
-                   state.policy_start)
+                   state.policy_start, rt.nvme_files)
 
     def capacities(self, **budgets: Optional[int]) -> dict[str, int]:
         """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced."""
@@ -96,7 +97,8 @@ class Report:
             policy = copy.deepcopy(start) if isinstance(start, Policy) else start
         return replay(self.events, self.catalog, policy,
                       self.capacities(device=device, host=host, nvme=nvme), self.slot_size,
-                      self.prefetch if prefetch is None else prefetch, self.host_slots)
+                      self.prefetch if prefetch is None else prefetch, self.host_slots,
+                      self.nvme_files if nvme is None else None)  # (another budget: one pool)
 
     def belady_bound(self, device: Optional[int] = None) -> int:
         """Belady's minimum of bytes fetched onto the device for this run's accesses."""
@@ -119,7 +121,8 @@ class Report:
         with open(path, "w") as f:
             f.write(json.dumps({"catalog": self.catalog, "slot_size": self.slot_size,
                                 "capacities": self.capacities(), "prefetch": self.prefetch,
-                                "policy": self._summary["policy"]}) + "\n")
+                                "policy": self._summary["policy"], "host_slots": self.host_slots,
+                                "nvme_files": self.nvme_files}) + "\n")
             for ev in self.events:
                 f.write(json.dumps(ev) + "\n")
 

@@ -75,12 +75,15 @@ def expected_block_bytes(chunks: Sequence[Chunk]) -> list[int]:
 
 class Runtime:
     def __init__(self, capacities: dict[str, int], slot_size: int, policy: Policy, storage: Any,
-                 prefetch: int = 0, host_slots: Optional[int] = None) -> None:
+                 prefetch: int = 0, host_slots: Optional[int] = None,
+                 nvme_files: Optional[list[int]] = None) -> None:
         self.tiers = {name: Tier(name, cap) for name, cap in capacities.items()}
         self.slot_size = slot_size
         # The host arena's size limit from the model state (None: the host budget alone): the
-        # arena has min(host budget / slot, host_slots) slots, which the simulator must know.
+        # arena has min(host budget / slot, host_slots) slots, which the simulator must know;
+        # likewise the slots of each swap file (None: one pool of the NVMe budget).
         self.host_slots = host_slots
+        self.nvme_files = nvme_files
         self.policy = policy
         self._victims = Victims(policy)
         self._sizes: dict[str, int] = {}
@@ -128,7 +131,8 @@ class Runtime:
             # whole state plus its shadows during an optimizer step — not the rest of the budget,
             # which defaults to most of the disk.
             swap = SwapSpace(cfg.nvme_path, min(cfg.nvme_budget, 2 * needed * slot), slot, max(sizes, default=0))
-        return cls(capacities, slot, policy, TierStorage(cfg.device, arena, swap), cfg.prefetch, limit)
+        return cls(capacities, slot, policy, TierStorage(cfg.device, arena, swap), cfg.prefetch, limit,
+                   None if swap is None else swap.slots)
 
     # ------------------------------------------------------------------ queries
 
@@ -694,8 +698,9 @@ class Runtime:
     def _promotable(self, b: Block, tier: str) -> bool:
         """Whether ``b``, whose only copy is on ``tier``, may leave it upwards: a full bottom host
         makes room by moving a block into free device room (:meth:`_evict`), never by evicting
-        on the device."""
-        return self._bottom_host(tier) and self.tiers[DEVICE].free >= b.nbytes
+        on the device; and never a block whose device memory holds a transaction's shadow."""
+        return (self._bottom_host(tier) and self.tiers[DEVICE].free >= b.nbytes
+                and not (self._txn is not None and b in self._txn.shadows))
 
     def _victim(self, tier: str, protect: set[Block]) -> Optional[Block]:
         """The policy's victim on ``tier``; a block that would move up (:meth:`_promotable`) only
@@ -739,9 +744,9 @@ class Runtime:
 
     def _room_to_promote(self, tier: str) -> bool:
         """Where a full bottom host has no block to move up, make device room for one by
-        dropping a device copy that has another copy (no write), even of a block being placed
-        on the host: the policy's choice among them. False when there is none (or ``tier`` is
-        not such a host)."""
+        dropping a device copy that has another copy (no write; not of a block in use or being
+        placed): the policy's choice among them. False when there is none (or ``tier`` is not
+        such a host)."""
         if not self._bottom_host(tier):
             return False
         victim = self._victims.choose(DEVICE, self._on[DEVICE], self._info,
@@ -814,8 +819,8 @@ class Runtime:
             if (self._make_run(block, tier, lambda b: self._evictable(b, tier, protect))
                     or (self._bottom_host(tier) and self._make_run(
                         block, tier, lambda b: self._evictable(b, tier, protect, up=True)))
-                    or self._drop_shadow(tier) or self._room_to_promote(tier)
-                    or self._compact(block, tier, protect)):
+                    or self._drop_shadow(tier) or self._compact(block, tier, protect)
+                    or self._room_to_promote(tier)):
                 continue
             raise HeteroOOMError(self._oom_message(
                 block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))

@@ -58,10 +58,12 @@ class SimStorage:
     its transfers finish at once, so the runtime's decisions (which never depend on timing) are
     those of the run it replays."""
 
-    def __init__(self, capacities: Mapping[str, int], slot_size: int, host_slots: Optional[int] = None) -> None:
+    def __init__(self, capacities: Mapping[str, int], slot_size: int, host_slots: Optional[int] = None,
+                 nvme_files: Optional[Sequence[int]] = None) -> None:
         slots = capacities[HOST] // slot_size
         self.host = SlotPool(max(1, slots if host_slots is None else min(slots, host_slots)), slot_size)
-        self.nvme = SlotPool(max(1, capacities.get(NVME, 0) // slot_size), slot_size)
+        files = nvme_files or [max(1, capacities.get(NVME, 0) // slot_size)]
+        self.nvme = [SlotPool(n, slot_size) for n in files]  # one per swap file, searched in order
 
     def place(self, block: SimBlock, tier: str) -> bool:
         if tier == DEVICE:
@@ -69,9 +71,8 @@ class SimStorage:
         if tier == HOST:
             block.host_offset = self.host.alloc(block.nbytes, block)
             return block.host_offset is not None
-        off = self.nvme.alloc(block.nbytes, block)
-        block.nvme_loc = None if off is None else (0, off)
-        return off is not None
+        block.nvme_loc = self.hold_nvme(block.nbytes, block)
+        return block.nvme_loc is not None
 
     def loc(self, block: SimBlock, tier: str) -> Any:
         return {DEVICE: None, HOST: block.host_offset, NVME: block.nvme_loc}[tier]
@@ -88,11 +89,14 @@ class SimStorage:
         if tier == HOST:
             self.host.free(loc, nbytes)
         elif tier == NVME:
-            self.nvme.free(loc[1], nbytes)
+            self.nvme[loc[0]].free(loc[1], nbytes)
 
     def hold_nvme(self, nbytes: int, owner: object) -> Any:
-        off = self.nvme.alloc(nbytes, owner)
-        return None if off is None else (0, off)
+        for i, pool in enumerate(self.nvme):
+            off = pool.alloc(nbytes, owner)
+            if off is not None:
+                return i, off
+        return None
 
     def adopt(self, block: SimBlock, tier: str, loc: Any, owner: object = None) -> None:
         if tier == HOST:
@@ -100,12 +104,12 @@ class SimStorage:
             if owner is None:
                 block.host_offset = loc
         elif tier == NVME:
-            self.nvme.take(loc[1], block.nbytes, owner or block)
+            self.nvme[loc[0]].take(loc[1], block.nbytes, owner or block)
             if owner is None:
                 block.nvme_loc = loc
 
     def pools(self, tier: str) -> list[SlotPool]:
-        return [self.host] if tier == HOST else [self.nvme]
+        return [self.host] if tier == HOST else list(self.nvme)
 
     def alloc(self, block: SimBlock, tier: str) -> None:
         pass
@@ -147,14 +151,18 @@ class SimResult:
 
 def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],
            policy: "str | Policy", capacities: Mapping[str, int], slot_size: int,
-           prefetch: int = 2, host_slots: Optional[int] = None) -> SimResult:
+           prefetch: int = 2, host_slots: Optional[int] = None,
+           nvme_files: Optional[Sequence[int]] = None) -> SimResult:
     """Re-issue ``events`` (a run's ``Report.events``) against a runtime with ``policy`` and
     ``capacities`` ({"device": bytes, "host": bytes, "nvme": bytes}); ``catalog`` maps block
     ids to ``(kind, nbytes)``; ``host_slots`` caps the host arena's slots as the run's model
-    state did (``Report.host_slots``). ``policy`` is a name or an instance, used as given (state
-    and all: pass a fresh one). With the run's own policy and budgets the result is the run's."""
+    state did (``Report.host_slots``), and ``nvme_files`` carves the NVMe tier into the run's
+    swap files (``Report.nvme_files``; None: one pool of the NVMe budget). ``policy`` is a name
+    or an instance, used as given (state and all: pass a fresh one). With the run's own policy
+    and budgets the result is the run's."""
+    files = list(nvme_files) if nvme_files else None
     rt = Runtime(dict(capacities), slot_size, make_policy(policy),
-                 SimStorage(capacities, slot_size, host_slots), prefetch, host_slots)
+                 SimStorage(capacities, slot_size, host_slots, files), prefetch, host_slots, files)
     blocks: dict[str, SimBlock] = {}
 
     def get(block_id: str) -> SimBlock:
@@ -414,7 +422,7 @@ def _page_min(ops: list[tuple], catalog: Mapping[str, tuple[str, int]], capacity
 
 
 def load_event_log(path: str) -> tuple[list[tuple], dict[str, tuple[str, int]], dict[str, Any]]:
-    """Events, catalog and header (slot_size, capacities, prefetch, policy) of a file written by
+    """Events, catalog and header (slot_size, capacities, prefetch, policy, host_slots, nvme_files) of a file written by
     ``Report.save_event_log``."""
     import json
 

@@ -380,20 +380,26 @@ class SwapSpace:
 
     MAX_FILES = 4
 
+    @classmethod
+    def layout(cls, capacity: int, slot_size: int, largest_block: int) -> list[int]:
+        """Slots of each swap file for ``capacity`` bytes: up to MAX_FILES equal files, each
+        large enough for the largest block (the simulator carves the same pools)."""
+        total_slots = max(1, capacity // slot_size)
+        per_file = max(-(-total_slots // cls.MAX_FILES), -(-largest_block // slot_size))
+        return [per_file] * max(1, min(cls.MAX_FILES, -(-total_slots // per_file)))
+
     def __init__(self, parent: str, capacity: int, slot_size: int, largest_block: int,
                  num_threads: int = 4) -> None:
         self.dir = make_private_dir(parent)
         # Remove the directory even if close() is never reached (exceptions, interpreter exit).
         self._finalizer = weakref.finalize(self, _remove_dir, self.dir)
         atexit.register(self._finalizer)
-        total_slots = max(1, capacity // slot_size)
-        per_file = max(-(-total_slots // self.MAX_FILES), -(-largest_block // slot_size))
-        nfiles = max(1, min(self.MAX_FILES, -(-total_slots // per_file)))
-        file_size = per_file * slot_size
+        self.slots = self.layout(capacity, slot_size, largest_block)
+        nfiles, file_size = len(self.slots), self.slots[0] * slot_size
         self.io = engine.SwapIO(num_threads=num_threads)
         self.files = [self.io.open(os.path.join(self.dir, f"swap-{i}.bin"), file_size)
                       for i in range(nfiles)]
-        self.pools = [SlotPool(per_file, slot_size) for _ in range(nfiles)]
+        self.pools = [SlotPool(n, slot_size) for n in self.slots]
         log.info("NVMe tier: %d swap file(s) of %d bytes in %s (direct I/O: %s)", nfiles, file_size,
                  self.dir, all(f.direct for f in self.files))
 

@@ -112,3 +112,25 @@ def test_near_capacity_without_nvme_is_refused_up_front_or_trains() -> None:
         assert sim.oom is None and sim.traffic == rep["traffic"], (seed, kw, sim.oom)
         wrapped.close()
     assert accepted >= configs // 3, f"only {accepted} of {configs} configurations were accepted: the test no longer tests training"
+
+
+def test_a_state_the_device_holds_is_accepted_with_the_smallest_host_budget() -> None:
+    """The optimizer's capacity check counts blocks at their host-slot cost, which errs on the
+    side of refusing; it must not refuse a state the device budget alone holds (found in review:
+    a device budget at 1.3x the state was refused with the minimum host budget)."""
+    from hetero.wrap import minimum_budgets
+
+    def make() -> GPT:
+        torch.manual_seed(0)
+        return GPT(d=16, n_layer=2)
+
+    total = state_bytes(make())
+    probe = hetero.wrap(make(), device="cpu", chunk_size=16384)
+    _, host_min = minimum_budgets(probe, nvme=False)
+    probe.close()
+    e, h, eager, wrapped = train_pair(make, dict(device="cpu", chunk_size=16384, device_budget=int(total * 1.05),
+                                                 host_budget=host_min), batches(2))
+    assert h == pytest.approx(e, rel=1e-5)
+    assert_same_model(eager, wrapped)
+    assert_within_budgets(wrapped)
+    wrapped.close()

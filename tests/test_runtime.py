@@ -168,6 +168,33 @@ def test_small_blocks_share_a_slot() -> None:
     assert pool.alloc(SLAB_SLOT, "again") == 0
 
 
+def test_the_simulator_carves_nvme_into_the_runs_swap_files(tmp_path) -> None:
+    """Real NVMe is up to four swap files, each its own pool, searched in order; the simulator
+    carves the same pools from the run's layout, so placements (small blocks in shared slots
+    included) land in the same places (found in review: one simulated pool put a small block in
+    an older shared slot of another file, and the two stopped agreeing on what fits)."""
+    from hetero.simulator import SimStorage
+    from hetero.tiers import SwapSpace
+
+    real = SwapSpace(str(tmp_path), 4 * SLAB_SLOT, SLAB_SLOT, 2 * SLAB_SLOT)
+    try:
+        assert real.slots == [2, 2] == SwapSpace.layout(4 * SLAB_SLOT, SLAB_SLOT, 2 * SLAB_SLOT)
+        sim = SimStorage({"device": 0, "host": SLAB_SLOT, "nvme": 4 * SLAB_SLOT}, SLAB_SLOT, None, real.slots)
+        placed: dict[str, tuple] = {}
+        script = [("L1", SLAB_SLOT), ("L2", SLAB_SLOT), ("S1", 4 * KIB), ("-L1", SLAB_SLOT),
+                  ("S2", 4 * KIB), ("L3", SLAB_SLOT), ("L4", SLAB_SLOT), ("-S1", 4 * KIB), ("S3", 20 * KIB)]
+        for name, n in script:
+            if name.startswith("-"):
+                real.free(placed[name[1:]], n)
+                sim.forget_at("nvme", placed[name[1:]], n)
+                continue
+            got, want = sim.hold_nvme(n, name), real.alloc(n, name)
+            assert got == want, (name, got, want)
+            placed[name] = want
+    finally:
+        real.close()
+
+
 def test_tier_refuses_to_exceed_capacity() -> None:
     t = Tier("device", 100)
     t.reserve(60)

@@ -724,6 +724,29 @@ def test_a_full_host_without_nvme_moves_blocks_within_itself_for_a_contiguous_ru
     for blk, v, n in ((a, 1.0, 1024), (b, 2.0, 1024), (d, 4.0, 1024), (z, 3.0, 2048)):
         assert torch.equal(rt.read(blk), torch.full((n,), v)), blk
 
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_a_block_whose_shadow_is_on_the_device_never_moves_up(rig, end) -> None:
+    """Inside a transaction a block written on the host keeps its device copy as the shadow; a
+    full host must not move that block up into the same device memory (found in review: the move
+    overwrote the shadow, and the commit then freed the block's only copy)."""
+    rt = rig(2, 2, policy="lru")
+    a, h, c = TB("a", 1024), TB("h", 1024), TB("c", 1024)
+    rt.create(a, torch.full((1024,), 1.0), tier=DEVICE)
+    rt.create(h, torch.full((1024,), 2.0), tier=HOST)
+    rt.begin()
+    rt.acquire([a], HOST, write=True)  # its device copy becomes the shadow
+    rt.data(a, HOST).fill_(5.0)
+    rt.release([a], HOST)
+    rt.acquire([h], HOST)
+    rt.release([h], HOST)  # h used later than a: a is LRU's victim on the host
+    rt.create(c, torch.full((1024,), 3.0), tier=HOST)  # the host is full
+    assert a.tiers == {HOST}, a
+    getattr(rt, end)()
+    rt.drain()
+    invariants(rt)
+    assert torch.equal(rt.read(a), torch.full((1024,), 5.0 if end == "commit" else 1.0))
+
 def test_a_host_making_room_for_a_device_eviction_moves_nothing_up(rig, monkeypatch) -> None:
     """While the device evicts a block down to a full host, the host must not make room by moving
     a block up into the device room being freed: the two tiers would trade blocks for ever. The

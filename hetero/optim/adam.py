@@ -94,10 +94,12 @@ class Adam(torch.optim.Optimizer):
         hold, and the room of one more block of the largest size: with every tier full, a block
         coming to the device and one leaving it need a free place to pass each other (without
         one, two full tiers cannot trade blocks). The device holds exact bytes, so this errs on
-        the side of refusing."""
+        the side of refusing; a state the device alone holds is always accepted."""
         rt = self._state.runtime
         sizes = [b.nbytes for c in self._state.chunks for b in c.blocks.values()]
         sizes += [c.full_precision.nbytes for c in self._chunks() if EXP_AVG not in c.blocks] * 2
+        if sum(sizes) <= rt.tiers[DEVICE].capacity:
+            return  # the device alone holds the whole state
         need = sum(rt.slot_bytes(n) for n in sizes) + rt.slot_bytes(max(sizes, default=0))
         held = {n: t.capacity if n == DEVICE else t.capacity // rt.slot_size * rt.slot_size
                 for n, t in rt.tiers.items()}
