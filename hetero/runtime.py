@@ -682,11 +682,16 @@ class Runtime:
         else:
             self._protected.difference_update(blocks)
 
+    def _held(self, b: Block, tier: str, protect: set[Block]) -> bool:
+        """Whether ``b``'s copy on ``tier`` must stay where it is: absent, pinned, protected, or
+        being placed."""
+        return bool(tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._placing
+                    or b in self._protected)
+
     def _evictable(self, b: Block, tier: str, protect: set[Block], up: bool = False) -> bool:
-        """Whether ``b``'s copy on ``tier`` may go: it is not in use and has another copy or a
+        """Whether ``b``'s copy on ``tier`` may go: it is not held and has another copy or a
         tier below to go to (``up``: or it may move up from a bottom host, :meth:`_promotable`)."""
-        if (tier not in b.tiers or b.pins.get(tier) or b in protect or b in self._placing
-                or b in self._protected):
+        if self._held(b, tier, protect):
             return False
         return len(b.tiers) > 1 or bool(self._below[tier]) or (up and self._promotable(b, tier))
 
@@ -766,17 +771,16 @@ class Runtime:
         pool = self.storage.pools(HOST)[0]
 
         def movable(b: object) -> bool:  # (a block spanning slots would need a run of its own)
-            return (self._blocks.get(getattr(b, "id", None)) is b and not b.pins.get(HOST)
-                    and b not in protect and b not in self._placing and b not in self._protected
-                    and (self._evictable(b, HOST, protect) or pool.slots_for(b.nbytes) == 1))
+            return (self._blocks.get(getattr(b, "id", None)) is b and not self._held(b, HOST, protect)
+                    and (len(b.tiers) > 1 or pool.slots_for(b.nbytes) == 1))
 
         found = pool.window_at(block.nbytes, movable)
         if found is None:
             return False
         run, blocks = found
         for b in blocks:
-            if self._evictable(b, HOST, protect):
-                self._evict(b, HOST)
+            if len(b.tiers) > 1:  # another copy: it just leaves
+                self._free(b, HOST)
             elif not self._relocate(b, pool, run):
                 return False
         return True

@@ -93,10 +93,8 @@ def is_small(nbytes: int, slot_size: int) -> bool:
 def slot_cost(nbytes: int, slot_size: int) -> int:
     """Bytes a block takes from a host or NVMe budget: its units in a slab when small, else
     its whole slots."""
-    if is_small(nbytes, slot_size):
-        unit = unit_for(slot_size)
-        return max(1, -(-nbytes // unit)) * unit
-    return slots_for(nbytes, slot_size) * slot_size
+    size = unit_for(slot_size) if is_small(nbytes, slot_size) else slot_size
+    return slots_for(nbytes, size) * size
 
 
 class Slab:
@@ -110,6 +108,10 @@ class Slab:
 
     def owners(self) -> list[object]:
         return list({id(o): o for o in self.units if o is not None}.values())
+
+    @property
+    def empty(self) -> bool:
+        return self.free == (1 << len(self.units)) - 1
 
     @staticmethod
     def starts(mask: int, k: int) -> int:
@@ -172,7 +174,12 @@ class SlotPool:
         return slots_for(nbytes, self.slot_size)
 
     def _units(self, nbytes: int) -> int:
-        return max(1, -(-nbytes // self.unit))
+        return slots_for(nbytes, self.unit)
+
+    def _open_slab(self, i: int) -> Slab:
+        """Make the free slot ``i`` a slab."""
+        slab = self.owner[i] = self._slabs[i] = Slab(self.slot_size // self.unit)
+        return slab
 
     def blocks(self) -> "list[tuple[int, object]]":
         """``(offset, owner)`` of every placement, slab members included."""
@@ -226,8 +233,7 @@ class SlotPool:
             i = self._take_slots(1, None, avoid)
             if i is None:
                 return None
-            slab = self.owner[i] = self._slabs[i] = Slab(self.slot_size // self.unit)
-            slab.assign(0, k, owner)
+            self._open_slab(i).assign(0, k, owner)
             return i * self.slot_size
         i = self._take_slots(self.slots_for(nbytes), owner, avoid)
         return None if i is None else i * self.slot_size
@@ -254,7 +260,7 @@ class SlotPool:
             run = slab.units[u:u + k]
             assert run and run[0] is not None and all(o is run[0] for o in run), "bad free"
             slab.assign(u, k, None)
-            if slab.free != (1 << len(slab.units)) - 1:
+            if not slab.empty:
                 return
             del self._slabs[start]
             self.owner[start] = None
@@ -272,7 +278,7 @@ class SlotPool:
         if is_small(nbytes, self.slot_size):
             slab = self.owner[start]
             if slab is None:
-                slab = self.owner[start] = self._slabs[start] = Slab(self.slot_size // self.unit)
+                slab = self._open_slab(start)
             assert isinstance(slab, Slab), "runtime bug: slot in use"
             u, k = offset % self.slot_size // self.unit, self._units(nbytes)
             assert all(o is None for o in slab.units[u:u + k]), "runtime bug: units in use"
