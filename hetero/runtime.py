@@ -203,7 +203,10 @@ class Runtime:
         fill = self._issue(block, None, first, None, self.storage.loc(block, first), False, False, init)
         self._wait_for([fill], stall=True)
         if tier == NVME:
-            self._evict(block, HOST)
+            try:
+                self._evict(block, HOST)
+            except HeteroOOMError:  # NVMe has no room after all: the block stays where it was made
+                log.debug("hetero: %s stays on the host: no room for it on NVMe", block.id)
 
     def acquire(self, blocks: Sequence[Block], tier: str = DEVICE, write: bool = False,
                 record: bool = True) -> None:
@@ -695,17 +698,54 @@ class Runtime:
             return False
         return len(b.tiers) > 1 or bool(self._below[tier]) or (up and self._promotable(b, tier))
 
+    def _may_lift(self, tier: str) -> bool:
+        """``tier`` is the host and its blocks may move up now: not while the device is evicting
+        (the two tiers would trade blocks back and forth)."""
+        return tier == HOST and not self._evicting_from_device
+
     def _bottom_host(self, tier: str) -> bool:
-        """``tier`` is a host tier with no NVMe below it whose blocks may move up now: not while
-        the device is evicting (the two tiers would trade blocks back and forth)."""
-        return tier == HOST and not self._below[HOST] and not self._evicting_from_device
+        """``tier`` is a host tier with no NVMe below it whose blocks may move up now."""
+        return self._may_lift(tier) and not self._below[HOST]
 
     def _promotable(self, b: Block, tier: str) -> bool:
-        """Whether ``b``, whose only copy is on ``tier``, may leave it upwards: a full bottom host
-        makes room by moving a block into free device room (:meth:`_evict`), never by evicting
-        on the device; and never a block whose device memory holds a transaction's shadow."""
-        return (self._bottom_host(tier) and self.tiers[DEVICE].free >= b.nbytes
+        """Whether ``b``, whose only copy is on ``tier``, may leave it upwards: a full host whose
+        blocks cannot go down makes room by moving a block into free device room, never by
+        evicting on the device; and never a block whose device memory holds a transaction's
+        shadow."""
+        return (self._may_lift(tier) and self.tiers[DEVICE].free >= b.nbytes
                 and not (self._txn is not None and b in self._txn.shadows))
+
+    def _lift(self, tier: str, protect: set[Block]) -> bool:
+        """Where the host's victims cannot go down (NVMe is full of blocks that have no other
+        copy, or has no contiguous run for them), make host room as a host with no NVMe does:
+        move a block up into free device room, first dropping a clean device copy or, failing
+        that, a transaction's shadow on the device (as a full tier gives shadows up) where that
+        makes the room. False where none can be done (or ``tier`` is not the host)."""
+        if not self._may_lift(tier):
+            return False
+        candidates = [b for b in self._on[tier] if b.tiers == {tier} and not self._held(b, tier, protect)]
+        while True:  # (a block whose shadow is on the device may move once the shadow is given up)
+            movable = [b for b in candidates if not (self._txn is not None and b in self._txn.shadows)]
+            if movable and self.tiers[DEVICE].free >= min(b.nbytes for b in movable):
+                break
+            if not candidates or not (self._room_to_promote(tier) or self._drop_shadow(DEVICE)):
+                return False
+        victim = self._victims.choose(tier, self._on[tier], self._info,
+                                      lambda b: b in movable and self._promotable(b, tier))
+        self._replicate(victim, tier, DEVICE, set(), evict=True)
+        return True
+
+    def _no_room_below(self, tier: str, protect: set[Block]) -> bool:
+        """The policy's victim on ``tier`` found no room on the tiers below (all full of blocks
+        that cannot leave): make room on ``tier`` another way, cheapest first. Drop a copy that
+        has another one (no write), move a block up (:meth:`_lift`), or give up a transaction's
+        shadow there. False where none can be done."""
+        clean = self._victims.choose(tier, self._on[tier], self._info,
+                                     lambda b: len(b.tiers) > 1 and not self._held(b, tier, protect))
+        if clean is not None:
+            self._free(clean, tier)
+            return True
+        return self._lift(tier, protect) or self._drop_shadow(tier)
 
     def _victim(self, tier: str, protect: set[Block]) -> Optional[Block]:
         """The policy's victim on ``tier``; a block that would move up (:meth:`_promotable`) only
@@ -748,11 +788,11 @@ class Runtime:
                 self._evict(victim, tier)
 
     def _room_to_promote(self, tier: str) -> bool:
-        """Where a full bottom host has no block to move up, make device room for one by
-        dropping a device copy that has another copy (no write; not of a block in use or being
-        placed): the policy's choice among them. False when there is none (or ``tier`` is not
-        such a host)."""
-        if not self._bottom_host(tier):
+        """Where a full host whose blocks cannot go down has no block to move up, make device
+        room for one by dropping a device copy that has another copy (no write; not of a block
+        in use or being placed): the policy's choice among them. False when there is none (or
+        ``tier`` is not the host)."""
+        if not self._may_lift(tier):
             return False
         victim = self._victims.choose(DEVICE, self._on[DEVICE], self._info,
                                       lambda b: len(b.tiers) > 1 and self._evictable(b, DEVICE, set()))
@@ -814,17 +854,27 @@ class Runtime:
                 return
             if t.free < need:
                 victim = self._victim(tier, protect)
-                if victim is None and (self._drop_shadow(tier) or self._room_to_promote(tier)):
+                if victim is None and (self._drop_shadow(tier) or (
+                        self._bottom_host(tier) and self._room_to_promote(tier))):
                     continue
                 if victim is None:
                     raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
-                self._evict(victim, tier)
+                try:
+                    self._evict(victim, tier)
+                except HeteroOOMError:  # no room below for it
+                    if not self._no_room_below(tier, protect):
+                        raise
                 continue
-            if (self._make_run(block, tier, lambda b: self._evictable(b, tier, protect))
-                    or (self._bottom_host(tier) and self._make_run(
-                        block, tier, lambda b: self._evictable(b, tier, protect, up=True)))
-                    or self._drop_shadow(tier) or self._compact(block, tier, protect)
-                    or self._room_to_promote(tier)):
+            try:
+                if (self._make_run(block, tier, lambda b: self._evictable(b, tier, protect))
+                        or (self._bottom_host(tier) and self._make_run(
+                            block, tier, lambda b: self._evictable(b, tier, protect, up=True)))
+                        or self._drop_shadow(tier) or self._compact(block, tier, protect)
+                        or (self._bottom_host(tier) and self._room_to_promote(tier))):
+                    continue
+            except HeteroOOMError:  # the run's blocks found no room below
+                if not self._no_room_below(tier, protect):
+                    raise
                 continue
             raise HeteroOOMError(self._oom_message(
                 block, tier, f"no run of {need} contiguous bytes can be freed around blocks in use"))
