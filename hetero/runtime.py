@@ -57,7 +57,7 @@ from .policies import BlockInfo, Policy
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SlotPool, SwapSpace, Tier, TierStorage,
                     is_small, slot_cost, slot_size_for, slots_for)
 from .tracker import Tracker
-from .transfers import Deferred, InFlight, Op, region
+from .transfers import Deferred, InFlight, Op, regions
 from .victims import Victims
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,8 @@ class Runtime:
     def create(self, block: Block, init: Optional[torch.Tensor] = None, tier: Optional[str] = None) -> None:
         """Give a new block its first home and fill it from ``init`` (a flat tensor of the
         block's dtype on any device; ``None`` zero-fills). The home is ``tier`` if given, else
-        the policy's choice."""
+        the policy's choice; a block homed on NVMe is made on the host and stays there if NVMe
+        has no room for it."""
         assert not block.tiers, f"{block} already exists"
         self._blocks[block.id] = block
         self._sizes[block.id] = block.nbytes
@@ -495,14 +496,20 @@ class Runtime:
         block, loc = found
         if tier == HOST and self._demote_shadow(txn, block, loc):
             return True
-        del txn.shadows[block]
+        self._give_up_shadow(block)
+        return True
+
+    def _give_up_shadow(self, block: Block) -> None:
+        """Drop ``block``'s shadow: the transaction goes on, but can no longer undo that block
+        (logged once per transaction)."""
+        txn = self._txn
+        tier, loc = txn.shadows.pop(block)
         self._release_shadow(block, tier, loc)
         if txn.complete:
             log.warning("hetero: no room on the %s tier for the previous versions of the blocks an "
                         "optimizer step writes; this step can no longer be undone if a transfer fails "
                         "(give the %s tier more room to keep steps all-or-nothing)", tier, tier)
         txn.lose(block)
-        return True
 
     def _demote_shadow(self, txn: "_Transaction", block: Block, loc: Any) -> bool:
         """Write ``block``'s host shadow at ``loc`` to free NVMe slots and give the host slots
@@ -710,36 +717,57 @@ class Runtime:
     def _promotable(self, b: Block, tier: str) -> bool:
         """Whether ``b``, whose only copy is on ``tier``, may leave it upwards: a full host whose
         blocks cannot go down makes room by moving a block into free device room, never by
-        evicting on the device; and never a block whose device memory holds a transaction's
-        shadow."""
+        evicting on the device; and never a block that has a transaction's shadow (which may be
+        its own device memory)."""
         return (self._may_lift(tier) and self.tiers[DEVICE].free >= b.nbytes
                 and not (self._txn is not None and b in self._txn.shadows))
 
     def _lift(self, tier: str, protect: set[Block]) -> bool:
         """Where the host's victims cannot go down (NVMe is full of blocks that have no other
-        copy, or has no contiguous run for them), make host room as a host with no NVMe does:
-        move a block up into free device room, first dropping a clean device copy or, failing
-        that, a transaction's shadow on the device (as a full tier gives shadows up) where that
-        makes the room. False where none can be done (or ``tier`` is not the host)."""
+        copy), make host room as a host with no NVMe does: move a block up into free device room,
+        dropping clean device copies for that room if they make enough. Inside a transaction,
+        shadows on the device are given up only where that moves a block (their blocks' writes
+        can no longer be undone): first a block whose own shadow is the device memory it moves
+        into (one shadow for one block), else the largest shadows until a block fits. False
+        where none of this can be done (or ``tier`` is not the host); then nothing was dropped."""
         if not self._may_lift(tier):
             return False
+        device, txn = self.tiers[DEVICE], self._txn
+        shadows = txn.shadows if txn is not None and not self._prefetching_now else {}
         candidates = [b for b in self._on[tier] if b.tiers == {tier} and not self._held(b, tier, protect)]
-        while True:  # (a block whose shadow is on the device may move once the shadow is given up)
-            movable = [b for b in candidates if not (self._txn is not None and b in self._txn.shadows)]
-            if movable and self.tiers[DEVICE].free >= min(b.nbytes for b in movable):
-                break
-            if not candidates or not (self._room_to_promote(tier) or self._drop_shadow(DEVICE)):
-                return False
+        free = [b for b in candidates if txn is None or b not in txn.shadows]
+        smallest = min((b.nbytes for b in free), default=None)
+        clean = sum(b.nbytes for b in self._on[DEVICE] if len(b.tiers) > 1 and self._evictable(b, DEVICE, set()))
+        own = [b for b in candidates if shadows.get(b, ("",))[0] == DEVICE]
+        given = sorted((b for b, (t, _) in shadows.items() if t == DEVICE), key=lambda b: -b.nbytes)
+        if smallest is not None and device.free + clean >= smallest:
+            while device.free < smallest and self._room_to_promote(tier):
+                pass
+        elif own:
+            victim = self._victims.choose(tier, self._on[tier], self._info, lambda b: b in own)
+            self._give_up_shadow(victim)
+            self._replicate(victim, tier, DEVICE, set(), evict=True)
+            return True
+        elif smallest is not None and device.free + clean + sum(b.nbytes for b in given) >= smallest:
+            while device.free < smallest and self._room_to_promote(tier):
+                pass
+            for b in given:
+                if device.free >= smallest:
+                    break
+                self._give_up_shadow(b)
+        else:
+            return False
         victim = self._victims.choose(tier, self._on[tier], self._info,
-                                      lambda b: b in movable and self._promotable(b, tier))
+                                      lambda b: b in free and self._promotable(b, tier))
         self._replicate(victim, tier, DEVICE, set(), evict=True)
         return True
 
     def _no_room_below(self, tier: str, protect: set[Block]) -> bool:
-        """The policy's victim on ``tier`` found no room on the tiers below (all full of blocks
-        that cannot leave): make room on ``tier`` another way, cheapest first. Drop a copy that
-        has another one (no write), move a block up (:meth:`_lift`), or give up a transaction's
-        shadow there. False where none can be done."""
+        """The policy's victim on ``tier`` found no room on the tiers below (full of blocks that
+        cannot leave them): make room on ``tier`` another way, cheapest first. Drop a copy there
+        that has another one (no write); from the host, move a block up (:meth:`_lift`); give
+        up a transaction's shadow on ``tier``. (The failed attempt below may already have given
+        up shadows there.) False where none can be done."""
         clean = self._victims.choose(tier, self._on[tier], self._info,
                                      lambda b: len(b.tiers) > 1 and not self._held(b, tier, protect))
         if clean is not None:
@@ -764,7 +792,7 @@ class Runtime:
         blocks holding whole slots; else the cheapest run of slots. False where none will do."""
         pools = self.storage.pools(tier)
         single = slots_for(block.nbytes, self.slot_size) == 1
-        while not any(p.fits(block.nbytes) for p in pools):
+        while not self.storage.fits(tier, block.nbytes):
             units = [w for w in (p.unit_window(block.nbytes, eligible) for p in pools) if w is not None]
             if units:
                 self._evict_all(min(units, key=len), tier, eligible)
@@ -841,7 +869,8 @@ class Runtime:
 
     def _alloc(self, block: Block, tier: str, protect: set[Block]) -> None:
         """Reserve space for ``block`` on ``tier``, evicting as needed: policy-chosen victims while
-        bytes are short, then (for a block spanning several slots) the cheapest contiguous run."""
+        bytes are short, then (for a block spanning several slots) the cheapest contiguous run.
+        Where a victim finds no room below, :meth:`_no_room_below` makes room another way."""
         t = self.tiers.get(tier)
         if t is None:
             raise HeteroOOMError(self._oom_message(block, tier, "that tier is not enabled"))
@@ -937,7 +966,7 @@ class Runtime:
         which every later transfer onto the device would wait for."""
         loc = self.storage.loc(block, tier)
         self._drop(block, tier)
-        if self._ops.touch(block, region(block, tier, loc)):
+        if self._ops.touch(block, regions(block, tier, loc)):
             op = self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False)
             op.restorable = restorable  # a discarded copy is dead: undoing never brings it back
         else:

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from .errors import HeteroOOMError
 from .policies import Policy, make_policy
 from .runtime import Runtime
-from .tiers import DEVICE, HOST, NVME, SlotPool
+from .tiers import DEVICE, HOST, NVME, SlotPool, swap_alloc, swap_fits, swap_free, swap_take
 
 
 class SimBlock:
@@ -89,14 +89,10 @@ class SimStorage:
         if tier == HOST:
             self.host.free(loc, nbytes)
         elif tier == NVME:
-            self.nvme[loc[0]].free(loc[1], nbytes)
+            swap_free(self.nvme, loc, nbytes)
 
     def hold_nvme(self, nbytes: int, owner: object) -> Any:
-        for i, pool in enumerate(self.nvme):
-            off = pool.alloc(nbytes, owner)
-            if off is not None:
-                return i, off
-        return None
+        return swap_alloc(self.nvme, nbytes, owner)
 
     def adopt(self, block: SimBlock, tier: str, loc: Any, owner: object = None) -> None:
         if tier == HOST:
@@ -104,12 +100,15 @@ class SimStorage:
             if owner is None:
                 block.host_offset = loc
         elif tier == NVME:
-            self.nvme[loc[0]].take(loc[1], block.nbytes, owner or block)
+            swap_take(self.nvme, loc, block.nbytes, owner or block)
             if owner is None:
                 block.nvme_loc = loc
 
     def pools(self, tier: str) -> list[SlotPool]:
         return [self.host] if tier == HOST else list(self.nvme)
+
+    def fits(self, tier: str, nbytes: int) -> bool:
+        return self.host.fits(nbytes) if tier == HOST else swap_fits(self.nvme, nbytes)
 
     def alloc(self, block: SimBlock, tier: str) -> None:
         pass

@@ -195,6 +195,10 @@ class SlotPool:
                 out.append((i * self.slot_size, o))
         return out
 
+    def free_slots(self) -> "list[int]":
+        """Indices of the slots no block or slab holds."""
+        return [i for i in range(self._low, len(self.owner)) if self.owner[i] is None]
+
     def fits(self, nbytes: int) -> bool:
         """Whether :meth:`alloc` would find room for ``nbytes`` now."""
         if is_small(nbytes, self.slot_size):
@@ -343,6 +347,86 @@ class SlotPool:
         return range(best[1], best[1] + n), list(out.values())
 
 
+class Scattered(tuple):
+    """Where the NVMe copy of a block larger than a slot lies when no run of contiguous free slots
+    held it: ``((file, offset), ...)``, one whole slot (of ``slot_size`` bytes) each, in the order
+    of the block's bytes. A swap file needs no contiguity (only the host arena does: its copies
+    are tensor views), so NVMe room free in separate slots is never lost to fragmentation."""
+
+    slot_size: int
+
+    def __new__(cls, extents, slot_size: int) -> "Scattered":
+        self = super().__new__(cls, extents)
+        self.slot_size = slot_size
+        return self
+
+
+def swap_alloc(pools: "list[SlotPool]", nbytes: int, owner: object):
+    """Room for ``nbytes`` in the swap files' ``pools`` (searched in order): ``(file, offset)``
+    of a contiguous run, else (a block larger than a slot) :class:`Scattered` free slots; None
+    when there are not enough."""
+    for i, pool in enumerate(pools):
+        off = pool.alloc(nbytes, owner)
+        if off is not None:
+            return i, off
+    slot = pools[0].slot_size
+    n = slots_for(nbytes, slot)
+    if n < 2:
+        return None
+    free = [(i, j * slot) for i, pool in enumerate(pools) for j in pool.free_slots()][:n]
+    if len(free) < n:
+        return None
+    for i, off in free:
+        pools[i].take(off, slot, owner)
+    return Scattered(free, slot)
+
+
+def swap_fits(pools: "list[SlotPool]", nbytes: int) -> bool:
+    """Whether :func:`swap_alloc` would find room for ``nbytes`` now."""
+    if any(p.fits(nbytes) for p in pools):
+        return True
+    n = slots_for(nbytes, pools[0].slot_size)
+    return n > 1 and sum(len(p.free_slots()) for p in pools) >= n
+
+
+def swap_free(pools: "list[SlotPool]", loc, nbytes: int) -> None:
+    if isinstance(loc, Scattered):
+        for i, off in loc:
+            pools[i].free(off, pools[i].slot_size)
+    else:
+        pools[loc[0]].free(loc[1], nbytes)
+
+
+def swap_take(pools: "list[SlotPool]", loc, nbytes: int, owner: object) -> None:
+    """Give the free room at ``loc`` to ``owner`` again (undoing :func:`swap_free`)."""
+    if isinstance(loc, Scattered):
+        for i, off in loc:
+            pools[i].take(off, pools[i].slot_size, owner)
+    else:
+        pools[loc[0]].take(loc[1], nbytes, owner)
+
+
+class Handles:
+    """The transfers of one scattered copy, waited as one: the first failure is raised once all
+    have ended (none is left running on memory the caller may reuse)."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> None:
+        error = None
+        for h in self.handles:
+            try:
+                h.wait()
+            except BaseException as exc:  # noqa: BLE001 (re-raised below)
+                error = error or exc
+        if error is not None:
+            raise error
+
+
 class HostArena:
     """One host allocation, carved into fixed slots; pinned when CUDA is present.
 
@@ -409,22 +493,24 @@ class SwapSpace:
         log.info("NVMe tier: %d swap file(s) of %d bytes in %s (direct I/O: %s)", nfiles, file_size,
                  self.dir, all(f.direct for f in self.files))
 
-    def alloc(self, nbytes: int, owner: object) -> Optional[tuple[int, int]]:
-        """``(file index, byte offset)`` of free slots for ``nbytes``, or None."""
-        for i, pool in enumerate(self.pools):
-            off = pool.alloc(nbytes, owner)
-            if off is not None:
-                return i, off
-        return None
+    def alloc(self, nbytes: int, owner: object):
+        """Where free slots for ``nbytes`` are (:func:`swap_alloc`), or None."""
+        return swap_alloc(self.pools, nbytes, owner)
 
-    def free(self, loc: tuple[int, int], nbytes: int) -> None:
-        self.pools[loc[0]].free(loc[1], nbytes)
+    def free(self, loc, nbytes: int) -> None:
+        swap_free(self.pools, loc, nbytes)
 
-    def write(self, loc: tuple[int, int], src: torch.Tensor) -> engine.Handle:
-        return self.io.write(self.files[loc[0]], loc[1], src)
+    def write(self, loc, src: torch.Tensor):
+        return self._transfer(self.io.write, loc, src)
 
-    def read(self, loc: tuple[int, int], dst: torch.Tensor) -> engine.Handle:
-        return self.io.read(self.files[loc[0]], loc[1], dst)
+    def read(self, loc, dst: torch.Tensor):
+        return self._transfer(self.io.read, loc, dst)
+
+    def _transfer(self, submit, loc, buf: torch.Tensor):
+        if not isinstance(loc, Scattered):
+            return submit(self.files[loc[0]], loc[1], buf)
+        slot = loc.slot_size
+        return Handles([submit(self.files[i], off, buf[k * slot:(k + 1) * slot]) for k, (i, off) in enumerate(loc)])
 
     def close(self) -> None:
         if self._finalizer.alive:
@@ -486,7 +572,7 @@ class TierStorage:
 
     def hold_nvme(self, nbytes: int, owner: object):
         """Take free NVMe slots for ``nbytes`` for ``owner``, not a block's copy (a shadow moved
-        off the host); their location, or None when no run is free."""
+        off the host); their location, or None when there are not enough."""
         return self.swap.alloc(nbytes, owner)
 
     def adopt(self, block, tier: str, loc, owner: object = None) -> None:
@@ -494,8 +580,10 @@ class TierStorage:
         with ``owner``, hold them for it without making them its location."""
         if tier == DEVICE:
             return
-        pool = self.arena.pool if tier == HOST else self.swap.pools[loc[0]]
-        pool.take(loc if tier == HOST else loc[1], block.nbytes, owner or block)
+        if tier == HOST:
+            self.arena.pool.take(loc, block.nbytes, owner or block)
+        else:
+            swap_take(self.swap.pools, loc, block.nbytes, owner or block)
         if owner is None:
             if tier == HOST:
                 block.host_offset = loc
@@ -504,6 +592,10 @@ class TierStorage:
 
     def pools(self, tier: str) -> list[SlotPool]:
         return [self.arena.pool] if tier == HOST else list(self.swap.pools)
+
+    def fits(self, tier: str, nbytes: int) -> bool:
+        """Whether :meth:`place` would find room for ``nbytes`` on ``tier`` (host or NVMe) now."""
+        return self.arena.pool.fits(nbytes) if tier == HOST else swap_fits(self.swap.pools, nbytes)
 
     # ------------------------------------------------------------------ memory (physical)
 

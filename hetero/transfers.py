@@ -17,21 +17,24 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .tiers import DEVICE, HOST, NVME
+from .tiers import DEVICE, HOST, NVME, Scattered
 
 #: host and NVMe copies occupy whole pages (slots are page multiples)
 PAGE = 4096
 
 
-def region(block: Any, tier: str, loc: Any) -> tuple:
-    """A block copy's memory as (space, file, start, end): device memory is per block; host and
-    NVMe copies are byte ranges of the arena and of one swap file."""
+def regions(block: Any, tier: str, loc: Any) -> tuple:
+    """A block copy's memory as (space, file, start, end) ranges: device memory is per block;
+    a host copy is a byte range of the arena, an NVMe copy one of a swap file (or, scattered,
+    one slot of a swap file per range)."""
     if tier == DEVICE:
-        return (DEVICE, id(block), 0, 1)
+        return ((DEVICE, id(block), 0, 1),)
     n = -(-block.nbytes // PAGE) * PAGE
     if tier == HOST:
-        return (HOST, 0, loc, loc + n)
-    return (NVME, loc[0], loc[1], loc[1] + n)
+        return ((HOST, 0, loc, loc + n),)
+    if isinstance(loc, Scattered):
+        return tuple((NVME, f, off, off + loc.slot_size) for f, off in loc)
+    return ((NVME, loc[0], loc[1], loc[1] + n),)
 
 
 def overlap(a: tuple, b: tuple) -> bool:
@@ -67,8 +70,8 @@ class Op:
         self.compute = compute
         self.shadow: Any = None  # the transaction whose shadow it moves
         # the memory it reads and writes, fixed at issue (conflicts are judged on these)
-        self.reads = () if src is None else (region(block, src, src_loc),)
-        self.writes = () if dst is None else (region(block, dst, dst_loc),)
+        self.reads = () if src is None else regions(block, src, src_loc)
+        self.writes = () if dst is None else regions(block, dst, dst_loc)
 
     @property
     def pending(self) -> bool:
@@ -130,9 +133,10 @@ class InFlight:
         return self._by_block.get(block, [])
 
     def touch(self, block: Any, where: tuple) -> bool:
-        """Whether an unfinished op of ``block`` reads or writes the memory ``where`` (a
-        :func:`region`)."""
-        return any(overlap(where, r) for op in self._by_block.get(block, ()) for r in op.reads + op.writes)
+        """Whether an unfinished op of ``block`` reads or writes the memory ``where`` (its
+        :func:`regions`)."""
+        return any(overlap(w, r) for op in self._by_block.get(block, ()) for r in op.reads + op.writes
+                   for w in where)
 
     def _keys(self, r: tuple) -> range:
         return range(r[2] // self.unit, (r[3] - 1) // self.unit + 1)

@@ -168,13 +168,87 @@ def test_small_blocks_share_a_slot() -> None:
     assert pool.alloc(SLAB_SLOT, "again") == 0
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(1, 5 * SLAB_SLOT)), max_size=60),
+       st.lists(st.integers(1, 6), min_size=1, max_size=4))
+def test_swap_files_scatter_a_block_only_where_no_run_holds_it(ops, files) -> None:
+    """NVMe room is the swap files' pools searched in order. A block takes a contiguous run (or
+    units of a shared slot) where one is free; only a block larger than a slot, finding none,
+    takes free slots wherever they are (:class:`Scattered`), and only when there are enough.
+    Never two owners in one slot; ``swap_fits`` says what ``swap_alloc`` will do; everything
+    freed leaves every pool empty."""
+    from hetero.tiers import Scattered, slot_cost, swap_alloc, swap_fits, swap_free
+
+    pools = [SlotPool(n, SLAB_SLOT) for n in files]
+    live: dict[object, tuple[object, int]] = {}
+    for op, n in ops:
+        if op == "free" and live:
+            owner = sorted(live, key=id)[n % len(live)]
+            loc, m = live.pop(owner)
+            swap_free(pools, loc, m)
+            continue
+        owner = object()
+        contiguous = any(p.fits(n) for p in pools)
+        free_slots = sum(len(p.free_slots()) for p in pools)
+        expect = swap_fits(pools, n)
+        loc = swap_alloc(pools, n, owner)
+        assert (loc is not None) == expect
+        if loc is None:
+            assert not contiguous and (n <= SLAB_SLOT or free_slots < -(-n // SLAB_SLOT))
+            continue
+        if isinstance(loc, Scattered):
+            assert not contiguous and n > SLAB_SLOT and len(loc) == -(-n // SLAB_SLOT)
+            assert len(set(loc)) == len(loc) and loc.slot_size == SLAB_SLOT
+            for f, off in loc:
+                assert off % SLAB_SLOT == 0 and pools[f].owner[off // SLAB_SLOT] is owner
+        else:
+            f, off = loc
+            if slot_cost(n, SLAB_SLOT) >= SLAB_SLOT:
+                k = -(-n // SLAB_SLOT)
+                assert all(o is owner for o in pools[f].owner[off // SLAB_SLOT:off // SLAB_SLOT + k])
+        live[owner] = (loc, n)
+    for p in pools:  # every slot is free, a slab, or owned by one live block
+        for o in p.owner:
+            assert o is None or type(o).__name__ == "Slab" or o in live
+    for owner, (loc, m) in list(live.items()):
+        swap_free(pools, loc, m)
+    assert all(o is None for p in pools for o in p.owner)
+
+
+def test_a_scattered_copys_transfers_are_waited_as_one() -> None:
+    """A scattered copy moves in one request per slot; its handle ends only when all have: the
+    first failure is raised after the others finished (none is left writing into host memory
+    that the runtime reuses once the transfer is reported failed)."""
+    from hetero.errors import HeteroIOError
+    from hetero.tiers import Handles
+
+    class Fake:
+        def __init__(self, fail: bool) -> None:
+            self.fail, self.waited = fail, False
+
+        def done(self) -> bool:
+            return self.waited
+
+        def wait(self) -> None:
+            self.waited = True
+            if self.fail:
+                raise HeteroIOError(5, "swap read failed", "swap-0.bin")
+
+    parts = [Fake(False), Fake(True), Fake(False)]
+    h = Handles(parts)
+    assert not h.done()
+    with pytest.raises(HeteroIOError):
+        h.wait()
+    assert all(p.waited for p in parts) and h.done()
+
+
 def test_the_simulator_carves_nvme_into_the_runs_swap_files(tmp_path) -> None:
     """Real NVMe is up to four swap files, each its own pool, searched in order; the simulator
     carves the same pools from the run's layout, so placements (small blocks in shared slots
-    included) land in the same places (found in review: one simulated pool put a small block in
+    and a block scattered over free slots of two files included) land in the same places (found in review: one simulated pool put a small block in
     an older shared slot of another file, and the two stopped agreeing on what fits)."""
     from hetero.simulator import SimStorage
-    from hetero.tiers import SwapSpace
+    from hetero.tiers import Scattered, SwapSpace
 
     real = SwapSpace(str(tmp_path), 4 * SLAB_SLOT, SLAB_SLOT, 2 * SLAB_SLOT)
     try:
@@ -182,7 +256,8 @@ def test_the_simulator_carves_nvme_into_the_runs_swap_files(tmp_path) -> None:
         sim = SimStorage({"device": 0, "host": SLAB_SLOT, "nvme": 4 * SLAB_SLOT}, SLAB_SLOT, None, real.slots)
         placed: dict[str, tuple] = {}
         script = [("L1", SLAB_SLOT), ("L2", SLAB_SLOT), ("S1", 4 * KIB), ("-L1", SLAB_SLOT),
-                  ("S2", 4 * KIB), ("L3", SLAB_SLOT), ("L4", SLAB_SLOT), ("-S1", 4 * KIB), ("S3", 20 * KIB)]
+                  ("S2", 4 * KIB), ("L3", SLAB_SLOT), ("L4", SLAB_SLOT), ("-S1", 4 * KIB), ("S3", 20 * KIB),
+                  ("-L2", SLAB_SLOT), ("X", 2 * SLAB_SLOT - 1)]  # its two free slots are in two files
         for name, n in script:
             if name.startswith("-"):
                 real.free(placed[name[1:]], n)
@@ -191,6 +266,7 @@ def test_the_simulator_carves_nvme_into_the_runs_swap_files(tmp_path) -> None:
             got, want = sim.hold_nvme(n, name), real.alloc(n, name)
             assert got == want, (name, got, want)
             placed[name] = want
+        assert isinstance(placed["X"], Scattered) and list(placed["X"]) == [(0, SLAB_SLOT), (1, 0)]
     finally:
         real.close()
 
