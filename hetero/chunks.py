@@ -47,7 +47,8 @@ class Block:
 
     Where its bytes are is described by ``device`` (a flat tensor on the compute device whose
     storage is allocated only while ``DEVICE in tiers``), ``host_offset`` (a slot in the host
-    arena) and ``nvme_loc`` (a range of a swap file). ``tiers`` lists the tiers holding a valid
+    arena) and ``nvme_loc`` (a range of a swap file, or for a block larger than a slot possibly
+    slots of several: :class:`~hetero.tiers.Scattered`). ``tiers`` lists the tiers holding a valid
     copy; only the runtime changes any of these.
     """
 
@@ -61,7 +62,7 @@ class Block:
         self.nbytes = chunk.numel * torch.empty((), dtype=dtype).element_size()
         self.device: Optional[torch.Tensor] = None
         self.host_offset: Optional[int] = None
-        self.nvme_loc: Optional[tuple[int, int]] = None
+        self.nvme_loc: Optional[tuple] = None  # (file, offset), or Scattered
         self.tiers: set[str] = set()
         self.pins: dict[str, int] = {}  # tier -> how many acquirers hold the copy there
 

@@ -35,7 +35,7 @@ class SimBlock:
         self.tiers: set[str] = set()
         self.pins: dict[str, int] = {}
         self.host_offset: Optional[int] = None
-        self.nvme_loc: Optional[tuple[int, int]] = None
+        self.nvme_loc: Optional[tuple] = None  # (file, offset), or Scattered
 
     def __repr__(self) -> str:
         return f"SimBlock({self.id}, {self.nbytes} B, tiers={sorted(self.tiers)})"

@@ -390,6 +390,7 @@ def swap_fits(pools: "list[SlotPool]", nbytes: int) -> bool:
 
 
 def swap_free(pools: "list[SlotPool]", loc, nbytes: int) -> None:
+    """Give the room at ``loc`` (from :func:`swap_alloc`) back to the pools."""
     if isinstance(loc, Scattered):
         for i, off in loc:
             pools[i].free(off, pools[i].slot_size)
@@ -507,6 +508,7 @@ class SwapSpace:
         return self._transfer(self.io.read, loc, dst)
 
     def _transfer(self, submit, loc, buf: torch.Tensor):
+        """One request, or one per slot of a scattered copy (waited as one: :class:`Handles`)."""
         if not isinstance(loc, Scattered):
             return submit(self.files[loc[0]], loc[1], buf)
         slot = loc.slot_size
@@ -526,8 +528,9 @@ class TierStorage:
 
     Each block's device copy is a flat tensor whose storage is allocated and freed in place (so
     parameter views and the views autograd saved stay valid); its host copy is a run of arena
-    slots; its NVMe copy a run of swap-file slots. The runtime's logical bookkeeping uses
-    ``place`` / ``forget`` / ``adopt`` / ``loc`` (slots only); memory is touched by ``alloc`` /
+    slots; its NVMe copy a run of swap-file slots (or slots apart: :class:`Scattered`). The
+    runtime's logical bookkeeping uses ``place`` / ``forget`` / ``adopt`` / ``loc`` / ``fits``
+    (slots only); memory is touched by ``alloc`` /
     ``release`` (device storage), ``copy`` (asynchronous: host <-> device on the copy engine,
     host <-> NVMe on the swap engine) and ``fill``. The simulator uses a look-alike without memory.
     """
