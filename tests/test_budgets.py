@@ -141,15 +141,16 @@ def test_near_capacity_with_nvme_a_failed_step_changes_nothing_unless_it_said_so
     raises HeteroIOError and leaves every parameter and optimizer state as before, unless that
     step logged that it gave up the previous version of a block for room. Faults: eio and short,
     each at a random early and later request of the third step. ``HETERO_NEAR_CAPACITY_CONFIGS``
-    as above (8 here; the tenth session's note ran 200). (That training then continues is not
-    asserted here: :func:`test_near_capacity_with_nvme_training_continues_after_faults`.)"""
+    as above (8 here; the tenth session's note ran 200). That training then goes on is not
+    asserted: near capacity, one configuration of 94 in that note's trial could not place a
+    block larger than a slot in a later step (no contiguous host run, NVMe full)."""
     import os
     import random
 
     from hetero import engine
 
     configs = int(os.environ.get("HETERO_NEAR_CAPACITY_CONFIGS", "8"))
-    trained = 0
+    trained, rolled_back = 0, 0
     for seed in range(configs):
         make, kw = near_capacity_config(seed, True, tmp_path / f"swap{seed}")
         try:
@@ -177,9 +178,11 @@ def test_near_capacity_with_nvme_a_failed_step_changes_nothing_unless_it_said_so
                 opt.zero_grad()
                 if hit and not any("undone" in m for m in caplog.messages):
                     assert_same_state(snapshot(model, opt), before)
+                    rolled_back += 1
         trained += 1
         model.close()
     assert trained >= configs // 4, f"only {trained} of {configs} configurations trained"
+    assert rolled_back >= trained, f"only {rolled_back} faults rolled back in {trained} configurations"
 
 
 def test_a_state_the_device_holds_is_accepted_with_the_smallest_host_budget() -> None:
