@@ -6,7 +6,9 @@
 
 A stack of linear layers is wrapped with small device and host budgets, so its optimizer states
 (and most parameters and gradients) sit in swap files. Each round runs forward and backward
-(untimed), then times ``opt.step()`` plus the wait for its last write-backs. hetero.optim streams
+(untimed), then times ``opt.step()``, the updates it postponed to the next forward (run at once
+here: ``Runtime.catch_up``, the step's whole work back to back, as ``HETERO_DEFER_STEP=0`` runs it)
+plus the wait for its last write-backs. hetero.optim streams
 the chunks through host slots: the runtime's prefetch reads the next chunks' states while the
 current one is updated, and evictions write updated chunks back while later ones compute.
 
@@ -74,6 +76,7 @@ def nvme_step(n_params: int, swap_dir: str, reps: int, chunk_size: str = "4MiB",
         before = dict(rt.tracker.traffic)
         t0 = time.perf_counter()
         opt.step()
+        rt.catch_up()  # the updates step() postponed to the next forward, run now back to back
         rt.drain()
         times.append(time.perf_counter() - t0)
         reads.append(rt.tracker.traffic["nvme->host"] - before["nvme->host"])

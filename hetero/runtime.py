@@ -109,6 +109,10 @@ class Runtime:
         self._protected: set[Block] = set()
         self._evicting_from_device = 0  # device evictions in progress (each may place a block on the host)
         self._worker: Optional[ThreadPoolExecutor] = None  # runs deferred host work, in order
+        # Work postponed per chunk (the optimizer's updates that must move data), run before
+        # anything touches one of the chunk's blocks: see postpone().
+        self._postponed: dict[str, tuple[Callable[[], None], Callable[[], tuple[list[Block], str]]]] = {}
+        self._catching_up = False
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -221,6 +225,8 @@ class Runtime:
         HeteroOOMError when the tier cannot hold them, HeteroIOError when a transfer failed.
         """
         self._pump()
+        if self._postponed:
+            self.catch_up({b.chunk_id for b in blocks})
         for block in blocks:
             if not block.tiers:  # first use (or first since a discard): start where it is needed
                 self.create(block, tier=tier)
@@ -332,6 +338,9 @@ class Runtime:
             self._wait_op(op)
 
     def close(self) -> None:
+        if self._postponed:  # nothing can read the model once its swap files are gone
+            log.debug("hetero: closing with %d postponed update(s) not run", len(self._postponed))
+            self._postponed.clear()
         try:
             self.drain()
         except HeteroIOError as exc:
@@ -363,6 +372,53 @@ class Runtime:
                     None, self.tracker.now(), compute=True)
             op.handle, op.state = handle, "running"
             self._ops.add(op)
+
+    def postpone(self, chunk_id: str, run: Callable[[], None],
+                 needs: Callable[[], tuple[list[Block], str]], first: bool = False) -> None:
+        """Run ``run`` (work on chunk ``chunk_id``'s blocks: the optimizer's update of a chunk
+        whose state must move) later: before the first acquire, read or write of one of the
+        chunk's blocks, or at :meth:`catch_up`; oldest first (``first``: before the others).
+        The optimizer step returns at once, and the transfers of its updates overlap the next
+        forward, which runs each one as it reaches the chunk while the blocks of the next are
+        fetched (:meth:`hint_postponed`, from what it ``needs``: blocks and the tier). Until it
+        runs, no block of the chunk is prefetched onto the device: the work rewrites them
+        elsewhere first. ``run`` must leave the chunk as before when it raises: it stays
+        postponed and runs again at the next touch (a failure rolls forward, not back).
+        Recorded in the event log, as is each run (a replay runs nothing: the work's own
+        acquires are in the log)."""
+        assert chunk_id not in self._postponed, f"runtime bug: {chunk_id} postponed twice"
+        self.tracker.event("postpone", chunk_id, first)
+        if first:
+            self._postponed = {chunk_id: (run, needs), **self._postponed}
+        else:
+            self._postponed[chunk_id] = (run, needs)
+
+    def postponed(self, chunk_id: str) -> bool:
+        return chunk_id in self._postponed
+
+    def catch_up(self, chunk_ids: Optional[set[str]] = None) -> None:
+        """Run the postponed work of ``chunk_ids`` (None: all of it), oldest first. One that
+        raises stays postponed, and the error propagates."""
+        if self._catching_up:
+            return  # (the work running touches only its own chunk's blocks)
+        for cid in [c for c in self._postponed if chunk_ids is None or c in chunk_ids]:
+            run, needs = self._postponed.pop(cid)
+            self.tracker.event("catch_up", (cid,))
+            self._catching_up = True
+            try:
+                run()
+            except BaseException:
+                self._catching_up = False
+                self.postpone(cid, run, needs, first=True)
+                raise
+            finally:
+                self._catching_up = False
+
+    def hint_postponed(self) -> None:
+        """Start fetching what the oldest postponed work needs (the chunk the forward reaches next)."""
+        for _, needs in self._postponed.values():
+            self.hint(*needs())
+            return
 
     # ------------------------------------------------------------------ transactions
 
@@ -592,6 +648,8 @@ class Runtime:
             target = tier if i < near else HOST
             if target == HOST and HOST in block.tiers:
                 continue
+            if target == DEVICE and block.chunk_id in self._postponed:
+                continue  # the chunk's postponed work runs first, and rewrites it elsewhere
             horizon = self.policy.next_use(block_id, tier)
             if not self._prefetch_one(block, target, horizon):
                 break

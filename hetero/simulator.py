@@ -148,6 +148,10 @@ class SimResult:
         return self.traffic["host->device"]
 
 
+def _nothing() -> None:
+    pass
+
+
 def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],
            policy: "str | Policy", capacities: Mapping[str, int], slot_size: int,
            prefetch: int = 2, host_slots: Optional[int] = None,
@@ -199,6 +203,10 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
                 rt.settle([get(i) for i in args[0]])
             elif op == "protect":
                 rt.protect([get(i) for i in args[0]], args[1])
+            elif op == "postpone":  # nothing to run: the work's own events follow its catch_up
+                rt.postpone(args[0], _nothing, lambda: ([], DEVICE), args[1])
+            elif op == "catch_up":
+                rt.catch_up(set(args[0]))
             else:
                 raise ValueError(f"unknown event {op!r} in the event log")
     except HeteroOOMError as exc:

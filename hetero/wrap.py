@@ -176,6 +176,7 @@ class HeteroState:
     def full_params(self, writeback: bool) -> Iterator[None]:
         """Point every parameter at a full-precision CPU copy of its value (the master when mixed
         precision keeps one); optionally write changes back."""
+        self.runtime.catch_up()  # postponed optimizer updates first: their moves detach params
         copies: list[tuple[Chunk, torch.Tensor]] = []
         self.summoned = True
         try:

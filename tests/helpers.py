@@ -106,24 +106,37 @@ def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
             assert torch.equal(st_a[i][k], st_b[i][k]), f"optimizer state {i}.{k} changed"
 
 
-def assert_failed_step_changes_nothing(model: hetero.HeteroModule, opt: torch.optim.Optimizer,
-                                       batch: Any, kind: str, after: int) -> None:
+def failed_step(model: hetero.HeteroModule, opt: torch.optim.Optimizer, batch: Any, kind: str,
+                after: int) -> bool:
     """A training step on ``batch`` hit by an injected swap ``kind`` fault after ``after`` more
-    requests raises HeteroIOError (from the step, or from the drain after it for a write-back)
-    and leaves every parameter and optimizer state as before; the gradients it made are cleared."""
+    requests must raise HeteroIOError: from the forward, backward or ``step()``, or from the
+    updates ``step()`` postponed (run here at once, as the next forward would run them), or
+    from the drain after them (a write-back). Returns whether the step took effect: only once
+    ``step()`` has returned, whose postponed updates then roll forward once the fault is gone
+    (the caller checks the values against eager training). Otherwise every parameter and
+    optimizer state must be as before; the gradients the step made are cleared."""
     from hetero import engine
 
-    model._hetero_state.runtime.drain()
+    rt = model._hetero_state.runtime
+    rt.drain()
     before = snapshot(model, opt)
     engine.inject_fault(kind, after=after)
+    stepped = False
     try:
         with pytest.raises(hetero.HeteroIOError):
-            default_step(model, opt, batch)
-            model._hetero_state.runtime.drain()  # a write-back failing after the step ends
+            x, y = batch
+            loss_of(model(x, y)).backward()
+            opt.step()
+            stepped = True
+            opt.zero_grad()
+            rt.catch_up()
+            rt.drain()
     finally:
         engine.inject_fault("none")
     opt.zero_grad()
-    assert_same_state(snapshot(model, opt), before)
+    if not stepped:
+        assert_same_state(snapshot(model, opt), before)
+    return stepped
 
 
 def copy_engine(backend: str, monkeypatch: pytest.MonkeyPatch, cuda: bool = False):

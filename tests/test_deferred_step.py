@@ -51,6 +51,7 @@ def second_step(monkeypatch, defer: str, fail: bool = False, step: bool = True):
     data = batches(4, seed=1)
     default_step(model, opt, data[0])
     default_step(eager, eager_opt, data[0])
+    model._hetero_state.runtime.drain()  # (the first step's deferred work runs the real kernel)
     calls = slow_kernel(monkeypatch, SLOW, fail)
     x, y = data[1]
     model(x, y).backward()
@@ -119,15 +120,22 @@ def test_deferred_step_failure_is_reported_once(monkeypatch) -> None:
 # ---- deferred == synchronous, whatever happens between steps
 
 
-def train(monkeypatch, defer: str, between, mp=None, device=0.25, host=None, prefetch=2, steps=4):
+POSTPONED = {"0": 0, "1": 0}  # updates train() found postponed after its steps, by HETERO_DEFER_STEP
+
+
+def train(monkeypatch, defer: str, between, mp=None, device=0.25, host=None, prefetch=2, steps=4,
+          nvme=None, routed=False):
     """Losses, what ``between(model, opt, "pre"|"post", i)`` returned around each step(), and the
-    final model and optimizer state dicts of a short training run with a slow kernel."""
+    final model and optimizer state dicts of a short training run with a slow kernel (with swap
+    files in the directory ``nvme``: postponed updates where deferred)."""
     monkeypatch.setenv("HETERO_DEFER_STEP", defer)
     torch.manual_seed(0)
-    net = GPT()
+    net = GPT(routed=routed)
     kw = dict(device="cpu", device_budget=int(state_bytes(net) * device), chunk_size="8KiB", prefetch=prefetch)
     if host is not None:
         kw["host_budget"] = int(state_bytes(net) * host)
+    if nvme is not None:
+        kw["nvme_path"] = str(nvme / defer)
     if mp is not None:
         kw["mixed_precision"] = hetero.MixedPrecision(param_dtype=mp, reduce_dtype=mp)
     model = hetero.wrap(net, **kw)
@@ -138,6 +146,7 @@ def train(monkeypatch, defer: str, between, mp=None, device=0.25, host=None, pre
         loss.backward()
         extra.append(between(model, opt, "pre", i))
         opt.step()
+        POSTPONED[defer] += len(model._hetero_state.runtime._postponed)
         extra.append(between(model, opt, "post", i))
         losses.append(loss.item())
     model._hetero_state.runtime.drain()
@@ -210,13 +219,49 @@ def tensor_lr_scheduler(model, opt, when, i):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("between", [clip_then_zero_in_place, model_state_dict, optimizer_state_dict,
-                                     summon_and_write_back, halve_lr, tensor_lr_scheduler],
-                         ids=lambda f: f.__name__)
+def no_zero_grad(model, opt, when, i):
+    """Gradients accumulate across steps (an update postponed past the next backward must read
+    its own step's gradient, and leave it for the next)."""
+
+
+def eval_forward_then_zero(model, opt, when, i):
+    """A forward without autograd between the steps reads the parameters of every chunk."""
+    if when == "post":
+        with torch.no_grad():
+            out = model(*batches(1, seed=9)[0])
+        opt.zero_grad()
+        return out
+
+
+BETWEEN = [clip_then_zero_in_place, model_state_dict, optimizer_state_dict, summon_and_write_back,
+           halve_lr, tensor_lr_scheduler, no_zero_grad, eval_forward_then_zero]
+
+
+@pytest.mark.parametrize("between", BETWEEN, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("mp", [None, torch.bfloat16], ids=["fp32", "bf16"])
-def test_deferred_equals_synchronous(monkeypatch, between, mp) -> None:
+@pytest.mark.parametrize("nvme", [False, True], ids=["host", "nvme"])
+def test_deferred_equals_synchronous(monkeypatch, tmp_path, between, mp, nvme) -> None:
+    """With NVMe (host 30%: optimizer states in swap files) the deferred step postpones the
+    updates of chunks whose state must move to the next forward, against the synchronous
+    all-or-nothing step."""
     slow_kernel(monkeypatch, SLOW_FUZZ)
-    assert_same_run(train(monkeypatch, "0", between, mp=mp), train(monkeypatch, "1", between, mp=mp))
+    kw = dict(mp=mp, host=0.3, nvme=tmp_path) if nvme else dict(mp=mp)
+    POSTPONED.update({"0": 0, "1": 0})
+    sync, deferred = train(monkeypatch, "0", between, **kw), train(monkeypatch, "1", between, **kw)
+    assert POSTPONED["0"] == 0 and (POSTPONED["1"] > 10 if nvme else POSTPONED["1"] == 0), POSTPONED
+    assert_same_run(sync, deferred)
+
+
+@pytest.mark.parametrize("between", [halve_lr, no_zero_grad, eval_forward_then_zero], ids=lambda f: f.__name__)
+def test_postponed_updates_of_a_routed_model_equal_synchronous(monkeypatch, tmp_path, between) -> None:
+    """An expert the next batch is not routed to: its postponed update runs when its gradient is
+    next written or at the next step(), not in the forward."""
+    slow_kernel(monkeypatch, SLOW_FUZZ)
+    kw = dict(host=0.3, nvme=tmp_path, routed=True, steps=6)
+    POSTPONED.update({"0": 0, "1": 0})
+    sync, deferred = train(monkeypatch, "0", between, **kw), train(monkeypatch, "1", between, **kw)
+    assert POSTPONED["1"] > 10, POSTPONED
+    assert_same_run(sync, deferred)
 
 
 def state_dicts_around_a_clipped_mixed_precision_step(model, opt, when, i):

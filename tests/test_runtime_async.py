@@ -412,7 +412,8 @@ def test_rollback_restores_a_block_whose_older_copy_was_evicted_before_the_write
     assert not complete or torch.equal(rt.read(b), torch.full((1024,), 2.0))
 
 
-def test_failed_optimizer_step_under_host_pressure_changes_nothing(swapdir, faults) -> None:
+def test_failed_optimizer_step_under_host_pressure_changes_nothing(swapdir, faults, monkeypatch) -> None:
+    monkeypatch.setenv("HETERO_DEFER_STEP", "0")  # the all-or-nothing step and its shadows
     model, opt, rt = ready_for_step(swapdir + "/count", 0.2, 0.21, "auto")
     snapshot(model, opt)
     rt.drain()

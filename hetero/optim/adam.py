@@ -11,16 +11,21 @@ Without an NVMe tier, a chunk stepped on the host is *deferred* (:meth:`Runtime.
 ``step()`` returns once every chunk's update is queued on the runtime's worker, and the next
 forward waits only for the chunks it is about to use. Chunks are queued in the order the forward
 uses them, so on a GPU the CPU updates the later chunks while the GPU runs the first layers. The
-results are the same bits as a synchronous step. ``HETERO_DEFER_STEP=0`` turns it off. With NVMe
-the step stays synchronous, because it is all or nothing (below).
+results are the same bits as a synchronous step. With NVMe, a chunk whose state must move is
+*postponed* (:meth:`Runtime.postpone`): its update, NVMe reads and writes included, runs when the
+next forward reaches the chunk, so the disk works while the forward computes; a failure there
+rolls the update forward, not back (:meth:`Adam.step`). ``HETERO_DEFER_STEP=0`` turns both off:
+the step is then synchronous, and with NVMe all or nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 import os
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -152,15 +157,25 @@ class Adam(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One update of every parameter with a gradient.
 
-        With an NVMe tier (whose transfers can fail), the step is all or nothing: chunks whose
-        state must move (or is new, except where it starts on the device beside the rest of its
-        chunk) are updated first inside a runtime transaction (each written block keeps its
-        previous copy as a shadow; the transfers of one chunk overlap the compute of another
-        through the runtime's prefetch), and every transfer is then waited for. A failure there
-        (HeteroIOError, or HeteroOOMError for want of room for shadows) restores every parameter,
-        state and step count and propagates. Only once the transaction has committed are the
-        chunks already in place updated: with no transfer that could fail, so without shadows,
-        and on the host deferred as without NVMe.
+        With an NVMe tier, the updates of chunks whose state must move (or is new, except where
+        it starts on the device beside the rest of its chunk) are *postponed*
+        (:meth:`Runtime.postpone`): ``step()`` returns once the chunks already in place are
+        updated (on the host deferred, as without NVMe), and each postponed update runs when
+        something next touches its chunk: the next forward as it reaches the chunk, so that its
+        NVMe reads and writes overlap that forward's compute. The step's values are fixed when
+        ``step()`` is called (hyper-parameters, gradient, clip scale). An update is atomic per
+        chunk (nothing is written until all its blocks are fetched), and a transfer failing
+        under it raises HeteroIOError from the call that ran it with the chunk unchanged and
+        still postponed: the step rolls forward when the fault is gone, it is never lost.
+        Anything that reads state (``state_dict``, the next ``step()``) runs postponed updates
+        first.
+
+        With ``HETERO_DEFER_STEP=0`` the step is synchronous and all or nothing instead: moving
+        chunks are updated inside a runtime transaction (each written block keeps its previous
+        copy as a shadow), every transfer is waited for, and a failure (HeteroIOError, or
+        HeteroOOMError for want of room for shadows) restores every parameter, state and step
+        count and propagates from ``step()``. Only once the transaction has committed are the
+        chunks already in place updated, with no transfer that could fail.
         """
         loss = None
         if closure is not None:
@@ -171,38 +186,61 @@ class Adam(torch.optim.Optimizer):
             return loss
         st.drop_stale_pins()
         rt = st.runtime
+        rt.catch_up()  # the last step's postponed updates first: they read its gradients
         groups = self._group_index()
-        work = [(c, runs) for c in self._chunks() if (runs := self._runs(c, groups))]
-        updated = [c for c, _ in work]
         defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
+        work = [self._plan(c, runs, groups)
+                for c in self._chunks() if (runs := self._runs(c, groups))]
+        updated = [u.chunk for u in work]
         if NVME not in rt.tiers:  # nothing can fail half-way
-            for (chunk, runs), ahead in _with_next(work):
-                self._step_chunk(chunk, runs, groups, shadow=False, defer=defer, ahead=ahead)
+            for i, update in enumerate(work):
+                ahead = work[i + 1].chunk if i + 1 < len(work) else None
+                self._step_chunk(update, shadow=False, defer=defer,
+                                 then=None if ahead is None else functools.partial(self._hint, ahead))
             st.end_step()
             self._settle(updated)
             return loss
-        steps = [(chunk, s, s.step) for chunk, _ in work for s in chunk.slots]
+        if defer:
+            for update in work:
+                self._create_states(update.chunk)
+            # The updates made now must all run once begun: a transfer failing among them (any
+            # still in flight, a write-back of the backward) would stop them half-way. So every
+            # transfer lands first, and a failure raises here with nothing updated.
+            rt.drain()
+            later = [u for u in work if not self._in_place(u.chunk)]
+            self._update_in_place([u for u in work if u not in later])
+            for update in later:
+                update.freeze()
+                rt.postpone(update.chunk.blocks[PARAM].chunk_id, functools.partial(self._run_postponed, update),
+                            functools.partial(self._needs, update.chunk))
+            st.end_step()
+            self._settle([u.chunk for u in work if u not in later])  # (postponed: once they ran)
+            return loss
+        steps = [(u.chunk, s, s.step) for u in work for s in u.chunk.slots]
         txn = None
         try:
             with rt.transaction() as txn:
                 while True:
-                    moving = [w for w in work if not self._in_place(w[0])]
+                    moving = [u for u in work if not self._in_place(u.chunk)]
                     if not moving:
                         break
                     stepped = set()
-                    for (chunk, runs), ahead in _with_next(moving):
+                    for i, update in enumerate(moving):
                         # A chunk in its first step whose new states start on the device beside
                         # its parameters and gradient is in place: updated after the commit, it
                         # needs no copies of its parameters in host memory, for which a small
                         # host tier has no room when every chunk is new. (On the host such a
                         # chunk is updated at once: waiting, its blocks get pushed out by the
                         # chunks fetched meanwhile, and come back from NVMe.)
+                        chunk = update.chunk
                         self._create_states(chunk)
                         if self._tier_for(chunk) == DEVICE and self._in_place(chunk):
                             continue
-                        self._step_chunk(chunk, runs, groups, shadow=True, ahead=ahead)
-                        stepped.add(id(chunk))
-                    work = [w for w in work if id(w[0]) not in stepped]
+                        ahead = moving[i + 1].chunk if i + 1 < len(moving) else None
+                        self._step_chunk(update, shadow=True,
+                                         then=None if ahead is None else functools.partial(self._hint, ahead))
+                        stepped.add(id(update))
+                    work = [u for u in work if id(u) not in stepped]
                 # Every transfer still in flight, this step's or earlier ones (write-backs and
                 # prefetches of the backward), must have landed before the commit: the updates
                 # after it cannot be undone, so no failure may surface among them.
@@ -222,17 +260,31 @@ class Adam(torch.optim.Optimizer):
                           "(no room for their previous versions); they keep this step", len(kept))
             raise
         # Every transfer the step needed is done and committed. The chunks left are in place:
-        # their updates move nothing, so nothing can fail half-way and none needs a shadow, and
-        # on the host they may run deferred, as without NVMe.
-        rt.set_prefetching(False)
-        try:
-            for chunk, runs in work:  # in place: nothing to fetch ahead
-                self._step_chunk(chunk, runs, groups, shadow=False, defer=defer)
-        finally:
-            rt.set_prefetching(True)
+        # their updates move nothing, so nothing can fail half-way and none needs a shadow.
+        self._update_in_place(work, defer=False)
         st.end_step()
         self._settle(updated)
         return loss
+
+    def _update_in_place(self, work: list["_Update"], defer: bool = True) -> None:
+        """Run the updates of chunks whose blocks are all where they are updated: nothing moves,
+        so nothing can fail (on the host deferred to the runtime's worker when ``defer``)."""
+        rt = self._state.runtime
+        rt.set_prefetching(False)  # in place: nothing to fetch ahead
+        try:
+            for update in work:
+                self._step_chunk(update, shadow=False, defer=defer)
+        finally:
+            rt.set_prefetching(True)
+
+    def _run_postponed(self, update: "_Update") -> None:
+        """A postponed update (see :meth:`step`); meanwhile the next chunk's blocks are fetched.
+        A ``zero_grad`` since the step left the gradient for it: it is dead now."""
+        rt = self._state.runtime
+        self._step_chunk(update, shadow=False, defer=True, then=rt.hint_postponed)
+        if not any(s.has_grad for s in update.chunk.slots):
+            rt.discard(update.chunk.blocks[GRAD])
+        self._settle([update.chunk])
 
     def _settle(self, updated: list[Chunk]) -> None:
         """Now that a whole step has shown what the device must hold, let the states that fit
@@ -252,20 +304,41 @@ class Adam(torch.optim.Optimizer):
             if not block.tiers:
                 self._state.runtime.create(block)
 
+    def _needs(self, chunk: Chunk) -> tuple[list[Block], str]:
+        """What ``chunk``'s step reads and writes, and the tier it will be updated on."""
+        return [b for b in [chunk.blocks[GRAD]] + self._written(chunk) if b.tiers], self._tier_for(chunk)
+
     def _hint(self, chunk: Chunk) -> None:
-        """Start fetching what ``chunk``'s step reads and writes to the tier it will be updated
-        on, while the current chunk computes: the optimizer knows its next chunk even where the
-        recorded step does not (which chunks must move changes from step to step)."""
+        """Start fetching what ``chunk``'s step needs to the tier it will be updated on, while
+        the current chunk computes: the optimizer knows its next chunk even where the recorded
+        step does not (which chunks must move changes from step to step)."""
         if not _has_states(chunk):
             return  # its first step: the states are created where they start, not fetched
-        blocks = [b for b in [chunk.blocks[GRAD]] + self._written(chunk) if b.tiers]
-        self._state.runtime.hint(blocks, self._tier_for(chunk))
+        self._state.runtime.hint(*self._needs(chunk))
 
-    def _step_chunk(self, chunk: Chunk, runs: list[tuple[int, int, int, int]], groups: dict[int, int],
-                    shadow: bool, defer: bool = False, ahead: Optional[Chunk] = None) -> None:
-        """Update ``chunk`` on the tier holding its optimizer states; once its blocks are there,
-        fetching for the chunk updated next (``ahead``) starts."""
+    def _plan(self, chunk: Chunk, runs: list[tuple[int, int, int, int]], groups: dict[int, int]) -> "_Update":
+        """The update of ``chunk``: the kernel's arguments per run, with the hyper-parameters of
+        now."""
+        calls = []
+        for start, end, g, step in runs:
+            group = self.param_groups[g]
+            beta1, beta2 = group["betas"]
+            # Square roots as torch's default Adam takes them (bit-identical), or with fused=True
+            # as torch's fused AdamW does (IEEE sqrt: one pass, faster).
+            kwargs = dict(step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                          weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                          grad_scale=chunk.grad_scale, sqrt="ieee" if group.get("fused") else "torch")
+            calls.append((start, end, kwargs))
+        slots = [s for s in chunk.slots if id(s.param) in groups and s.has_grad]
+        return _Update(chunk, calls, slots)
+
+    def _step_chunk(self, update: "_Update", shadow: bool, defer: bool = False,
+                    then: Optional[Callable[[], None]] = None) -> None:
+        """Run ``update`` on the tier holding its chunk's optimizer states; once its blocks are
+        there, ``then`` runs (it starts fetching for the chunk updated next). Until the blocks
+        are acquired nothing is written, so a failure there leaves the chunk as it was."""
         rt = self._state.runtime
+        chunk = update.chunk
         self._create_states(chunk)
         tier = self._tier_for(chunk)
         master, grad, m, v = (chunk.full_precision, chunk.blocks[GRAD], chunk.blocks[EXP_AVG],
@@ -288,46 +361,33 @@ class Adam(torch.optim.Optimizer):
             if shadow:
                 rt.protect(writes, on=False)
         try:
-            if ahead is not None:
-                self._hint(ahead)
+            if then is not None:
+                then()
             w_flat, g_flat, m_flat, v_flat = (rt.data(b, tier) for b in (master, grad, m, v))
             p_flat = rt.data(param, tier) if param is not None else None
-            calls = []
-            for start, end, g, step in runs:
-                group = self.param_groups[g]
-                beta1, beta2 = group["betas"]
-                # On the CPU one fused pass of the C++ kernel: low-precision grad in with the
-                # clip/loss scale folded in, fp32 master/m/v updated, low-precision param out.
-                # Elsewhere the same math as torch ops (hetero.optim.kernel.adam_step_).
-                # Square roots as torch's default Adam takes them (bit-identical), or with
-                # fused=True as torch's fused AdamW does (IEEE sqrt: one pass, faster).
-                calls.append(((w_flat[start:end], g_flat[start:end], m_flat[start:end], v_flat[start:end]),
-                              dict(step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                                   weight_decay=group["weight_decay"], decoupled=self._decoupled,
-                                   grad_scale=chunk.grad_scale,
-                                   param_out=None if p_flat is None else p_flat[start:end],
-                                   sqrt="ieee" if group.get("fused") else "torch")))
+            deferring = defer and tier == HOST
+            if deferring:
+                update.freeze()  # it runs on the runtime's worker after this returns
+            # On the CPU one fused pass of the C++ kernel: low-precision grad in with the clip/loss
+            # scale folded in, fp32 master/m/v updated, low-precision param out. Elsewhere the same
+            # math as torch ops (hetero.optim.kernel.adam_step_).
+            calls = [((w_flat[a:b], g_flat[a:b], m_flat[a:b], v_flat[a:b]),
+                      dict(kw, param_out=None if p_flat is None else p_flat[a:b]))
+                     for a, b, kw in update.calls]
 
-            def update() -> None:
+            def run() -> None:
                 with torch.no_grad():
                     for args, kwargs in calls:
                         adam_step_(*args, **kwargs)
 
-            if defer and tier == HOST:
-                # The work runs after step() returns: freeze what the caller may change by then
-                # (a scheduler updates a tensor lr in place; the next clip sets a grad scale),
-                # and the caller's thread count (the worker thread would see its own default).
+            if deferring:  # with the caller's thread count (the worker would see its own default)
                 for _, kwargs in calls:
-                    for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale"):
-                        if kwargs[k] is not None:
-                            kwargs[k] = float(kwargs[k])
                     kwargs["threads"] = torch.get_num_threads()
-                rt.defer(tier, [grad], writes, update)
+                rt.defer(tier, [grad], writes, run)
             else:
-                update()
-            for s in chunk.slots:
-                if id(s.param) in groups and s.has_grad:
-                    s.step += 1
+                run()
+            for s in update.slots:
+                s.step += 1
         finally:
             rt.release([grad] + writes, tier)
 
@@ -345,8 +405,9 @@ class Adam(torch.optim.Optimizer):
             if set_to_none:
                 for s in slots:
                     s.has_grad = False
-                if not any(s.has_grad for s in chunk.slots):
-                    st.runtime.discard(chunk.blocks[GRAD])  # dead bytes: free them everywhere
+                # Dead bytes: free them everywhere (a postponed update frees them once it ran).
+                if not any(s.has_grad for s in chunk.slots) and not st.runtime.postponed(chunk.blocks[GRAD].chunk_id):
+                    st.runtime.discard(chunk.blocks[GRAD])
                 continue
             block = chunk.blocks[GRAD]
             tier = st.runtime.working_tier(block)
@@ -375,6 +436,7 @@ class Adam(torch.optim.Optimizer):
         state: dict[int, dict[str, torch.Tensor]] = {}
         if self._state is not None:
             rt = self._state.runtime
+            rt.catch_up()  # step counts and states as of the last step()
             flats: dict[tuple[int, str], torch.Tensor] = {}
             for i, chunk, slot in self._slots_in_order():
                 if slot.step == 0:
@@ -389,6 +451,8 @@ class Adam(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._state is not None:
+            self._state.runtime.catch_up()  # else they would run on top of the loaded state
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
@@ -436,7 +500,19 @@ def _has_states(chunk: Chunk) -> bool:
     return EXP_AVG in chunk.blocks and bool(chunk.blocks[EXP_AVG].tiers)
 
 
-def _with_next(items: list) -> Iterator[tuple[Any, Optional[Chunk]]]:
-    """Each item with the chunk of the item after it (None for the last)."""
-    for i, item in enumerate(items):
-        yield item, items[i + 1][0] if i + 1 < len(items) else None
+@dataclasses.dataclass(eq=False)
+class _Update:
+    """One chunk's update in one step: the kernel's keyword arguments per element range
+    ``(start, end, kwargs)``, and the slots whose step counts it advances."""
+
+    chunk: Chunk
+    calls: list[tuple[int, int, dict[str, Any]]]
+    slots: list[ParamSlot]
+
+    def freeze(self) -> None:
+        """Make the hyper-parameters plain numbers, for an update that runs later: a scheduler
+        changes a tensor lr in place, the next clip sets a new grad scale."""
+        for _, _, kwargs in self.calls:
+            for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale"):
+                if kwargs[k] is not None:
+                    kwargs[k] = float(kwargs[k])
