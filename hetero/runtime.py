@@ -113,6 +113,9 @@ class Runtime:
         # anything touches one of the chunk's blocks: see postpone().
         self._postponed: dict[str, tuple[Callable[[], None], Callable[[], tuple[list[Block], str]]]] = {}
         self._catching_up = False
+        self._postponed_at: dict[str, int] = {}  # chunk id -> when it was postponed (its order)
+        self._postpone_seq = itertools.count()
+        self._running: Optional[str] = None  # the chunk whose postponed work is running
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -381,17 +384,22 @@ class Runtime:
         The optimizer step returns at once, and the transfers of its updates overlap the next
         forward, which runs each one as it reaches the chunk while the blocks of the next are
         fetched (:meth:`hint_postponed`, from what it ``needs``: blocks and the tier). Until it
-        runs, no block of the chunk is prefetched onto the device: the work rewrites them
-        elsewhere first. ``run`` must leave the chunk as before when it raises: it stays
-        postponed and runs again at the next touch (a failure rolls forward, not back).
-        Recorded in the event log, as is each run (a replay runs nothing: the work's own
-        acquires are in the log)."""
+        runs, the policy's prefetch brings none of the chunk's blocks onto the device (the work
+        rewrites them first; the hints and :meth:`settle` still move them), and its parameters
+        read as NaN, as off the device: their device copy is stale. ``run`` must leave the chunk
+        as before when it raises (HeteroIOError, HeteroOOMError): it stays postponed and runs
+        again at the next touch (a failure rolls forward, not back). :meth:`close` drops what
+        is still postponed. Recorded in the event log, as is each run (a replay runs nothing:
+        the work's own acquires are in the log)."""
         assert chunk_id not in self._postponed, f"runtime bug: {chunk_id} postponed twice"
         self.tracker.event("postpone", chunk_id, first)
         if first:
             self._postponed = {chunk_id: (run, needs), **self._postponed}
         else:
             self._postponed[chunk_id] = (run, needs)
+            self._postponed_at[chunk_id] = next(self._postpone_seq)
+        for block in needs()[0]:  # parameters it will rewrite must not read as current meanwhile
+            self.storage.on_device(block, False)
 
     def postponed(self, chunk_id: str) -> bool:
         return chunk_id in self._postponed
@@ -403,22 +411,28 @@ class Runtime:
             return  # (the work running touches only its own chunk's blocks)
         for cid in [c for c in self._postponed if chunk_ids is None or c in chunk_ids]:
             run, needs = self._postponed.pop(cid)
+            self._running = cid
             self.tracker.event("catch_up", (cid,))
             self._catching_up = True
             try:
                 run()
             except BaseException:
-                self._catching_up = False
+                self._catching_up, self._running = False, None
                 self.postpone(cid, run, needs, first=True)
                 raise
             finally:
-                self._catching_up = False
+                self._catching_up, self._running = False, None
+            del self._postponed_at[cid]
 
     def hint_postponed(self) -> None:
-        """Start fetching what the oldest postponed work needs (the chunk the forward reaches next)."""
-        for _, needs in self._postponed.values():
-            self.hint(*needs())
-            return
+        """Start fetching what the postponed work after the one running needs, in the order it
+        was postponed (the optimizer's: the forward's), skipping work older than the one running
+        (a routed expert the forward passed by), else the oldest."""
+        at = self._postponed_at.get(self._running, -1) if self._running is not None else -1
+        later = [c for c in self._postponed if self._postponed_at.get(c, -1) > at]
+        nxt = min(later, key=self._postponed_at.__getitem__) if later else next(iter(self._postponed), None)
+        if nxt is not None:
+            self.hint(*self._postponed[nxt][1]())
 
     # ------------------------------------------------------------------ transactions
 

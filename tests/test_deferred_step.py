@@ -289,3 +289,31 @@ def test_state_dict_after_a_deferred_mixed_precision_step(monkeypatch) -> None:
     kw = dict(mp=torch.bfloat16, device=0.15, host=2.0, prefetch=4, steps=3)
     between = state_dicts_around_a_clipped_mixed_precision_step
     assert_same_run(train(monkeypatch, "0", between, **kw), train(monkeypatch, "1", between, **kw))
+
+
+def test_parameters_of_a_postponed_update_read_as_nan_until_it_runs(tmp_path) -> None:
+    """Between step() and the next forward, a chunk whose update is postponed must not show its
+    parameters' old values (found in review: a device copy stayed attached, so code reading
+    parameters after step(), an EMA say, got the pre-step values): they read as NaN, as
+    parameters off the device do, and summon_full_params shows the stepped values."""
+    torch.manual_seed(0)
+    net = GPT()
+    eager = copy.deepcopy(net)
+    total = state_bytes(net)
+    model = hetero.wrap(net, device="cpu", device_budget=total // 4, host_budget=int(total * 0.3),
+                        nvme_path=str(tmp_path), chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for b in batches(2, seed=1):
+        default_step(model, opt, b)
+        default_step(eager, eager_opt, b)
+    rt = model._hetero_state.runtime
+    waiting = [c for c in model._hetero_state.chunks if rt.postponed(c.blocks["param"].chunk_id)]
+    assert waiting, "the configuration must postpone updates"
+    for c in waiting:
+        for s in c.slots:
+            assert torch.isnan(s.param).all(), s.names[0]
+    with model.summon_full_params(writeback=False):
+        for (name, p), q in zip(model.module.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, msg=name)
+    model.close()

@@ -323,3 +323,54 @@ def test_access_log_is_complete_and_ordered(tmp_path) -> None:
     # every step touches every param block in forward, again in backward, and in the optimizer
     per_step = [l for l in lines if l["step"] == 0 and l["block"].endswith(".param")]
     assert len(per_step) >= 3 * len({l["block"] for l in per_step})
+
+
+def test_postponed_work_runs_once_at_the_first_touch_and_hints_the_next_in_order() -> None:
+    """``Runtime.postpone``: work runs before the first acquire of one of its chunk's blocks (not
+    before another chunk's), once; one that raises stays postponed, in front, and runs again at
+    the next touch; while one runs, the hint goes to the work postponed after it (a chunk the
+    forward passed by, still postponed because nothing touched it, is skipped), and each
+    ``catch_up`` is in the event log."""
+    from hetero.runtime import Runtime
+    from hetero.simulator import SimBlock, SimStorage
+
+    caps = {"device": 1 << 20, "host": 1 << 20}
+    rt = Runtime(caps, 4096, LRU(), SimStorage(caps, 4096), prefetch=2)
+    blocks = {c: SimBlock(f"{c}.param", "param", 4096) for c in "abc"}
+    for b in blocks.values():
+        rt.create(b, tier="host")
+    ran, hinted, fail = [], [], {"b": 1}
+
+    def work(c: str):
+        def run() -> None:
+            if fail.get(c):
+                fail[c] -= 1
+                raise OSError("injected")
+            ran.append(c)
+            rt.hint_postponed()
+        return run
+
+    def needs(c: str):
+        def f():
+            hinted.append(c)
+            return [blocks[c]], "host"
+        return f
+
+    for c in "abc":
+        rt.postpone(c, work(c), needs(c))
+    rt.acquire([blocks["a"]], "host")  # a's own touch runs a only
+    rt.release([blocks["a"]], "host")
+    assert ran == ["a"] and list(rt._postponed) == ["b", "c"]
+    rt.postpone("a", work("a"), needs("a"))  # a again (a next step's): after c
+    with pytest.raises(OSError):  # b fails: nothing ran, b stays first
+        rt.acquire([blocks["b"]], "device")
+    assert ran == ["a"] and list(rt._postponed) == ["b", "c", "a"]
+    hinted.clear()
+    rt.acquire([blocks["c"]], "device")  # the forward passes b by: c runs and hints a, not b
+    rt.release([blocks["c"]], "device")
+    assert ran == ["a", "c"] and hinted == ["a"] and list(rt._postponed) == ["b", "a"]
+    rt.acquire([blocks["c"]], "device")  # c's work is done: it does not run again
+    rt.release([blocks["c"]], "device")
+    rt.catch_up()
+    assert ran == ["a", "c", "b", "a"] and not rt._postponed
+    assert [e[1] for e in rt.tracker.events if e[0] == "catch_up"] == [("a",), ("b",), ("c",), ("b",), ("a",)]

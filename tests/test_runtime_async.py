@@ -443,7 +443,10 @@ def test_failed_optimizer_step_under_host_pressure_changes_nothing(swapdir, faul
     "later) while the replay's transfers all succeed, so from the fault on the simulator no longer "
     "reproduces the run (record the failure, e.g. the failed op's issue index, and fail it in "
     "SimStorage)"))
-def test_replay_reproduces_a_run_that_survived_a_failed_transfer(swapdir, faults) -> None:
+def test_replay_reproduces_a_run_that_survived_a_failed_transfer(swapdir, faults, monkeypatch) -> None:
+    # (Synchronous steps: with the default postponed updates this run happens to replay alike,
+    # the fault hitting a read the run then repeats; the limitation is the same.)
+    monkeypatch.setenv("HETERO_DEFER_STEP", "0")
     model = wrap_gpt(swapdir, 0.2, 0.3, "lru")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     rt = model._hetero_state.runtime

@@ -164,9 +164,11 @@ class Adam(torch.optim.Optimizer):
         something next touches its chunk: the next forward as it reaches the chunk, so that its
         NVMe reads and writes overlap that forward's compute. The step's values are fixed when
         ``step()`` is called (hyper-parameters, gradient, clip scale). An update is atomic per
-        chunk (nothing is written until all its blocks are fetched), and a transfer failing
-        under it raises HeteroIOError from the call that ran it with the chunk unchanged and
-        still postponed: the step rolls forward when the fault is gone, it is never lost.
+        chunk (nothing is written until all its blocks are fetched), and a failure under it
+        (HeteroIOError, or HeteroOOMError) raises from the call that ran it with the chunk
+        unchanged and still postponed: the step rolls forward when the fault is gone, it is never
+        lost while the model is open (``close()`` drops what is still postponed). Until then the
+        chunk's parameters read as NaN outside forward and backward, as off the device.
         Anything that reads state (``state_dict``, the next ``step()``) runs postponed updates
         first.
 
@@ -214,7 +216,7 @@ class Adam(torch.optim.Optimizer):
                 rt.postpone(update.chunk.blocks[PARAM].chunk_id, functools.partial(self._run_postponed, update),
                             functools.partial(self._needs, update.chunk))
             st.end_step()
-            self._settle([u.chunk for u in work if u not in later])  # (postponed: once they ran)
+            self._settle(updated)  # (a postponed update runs on the tier its states are on then)
             return loss
         steps = [(u.chunk, s, s.step) for u in work for s in u.chunk.slots]
         txn = None
@@ -284,7 +286,6 @@ class Adam(torch.optim.Optimizer):
         self._step_chunk(update, shadow=False, defer=True, then=rt.hint_postponed)
         if not any(s.has_grad for s in update.chunk.slots):
             rt.discard(update.chunk.blocks[GRAD])
-        self._settle([update.chunk])
 
     def _settle(self, updated: list[Chunk]) -> None:
         """Now that a whole step has shown what the device must hold, let the states that fit

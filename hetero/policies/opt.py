@@ -60,7 +60,7 @@ class Opt(Policy):
         self._resident: dict[str, None] = {}  # chunks given the device for good, in grant order (see home)
         self._grad_of: dict[str, str] = {}  # chunk -> its gradient block, once seen on the device
         self._master_of: dict[str, str] = {}  # chunk -> its fp32 master (mixed precision)
-        self._updated_here: set[str] = set()  # chunks updated on the device this step, or made resident
+        self._updated_here: set[str] = set()  # chunks updated on the device this step
         self._device_capacity = math.inf  # as home and settle last saw it
 
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
@@ -251,7 +251,6 @@ class Opt(Policy):
         if not self._fits_beside_working_set(2 * block.nbytes + extra, capacity):
             return False
         self._resident[chunk] = None
-        self._updated_here.add(chunk)  # (its first update may run in the next step: postponed)
         self._stale = None
         self._home_on_device(block)
         self._ws_extra += extra
