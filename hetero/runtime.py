@@ -165,6 +165,10 @@ class Runtime:
     def free_bytes(self) -> dict[str, int]:
         return {name: t.free for name, t in self.tiers.items()}
 
+    def pinned_bytes(self, tier: str, besides: Sequence[Block] = ()) -> int:
+        """Bytes of the blocks held on ``tier`` now, other than ``besides``."""
+        return sum(b.nbytes for b in self._on[tier] if b.pins.get(tier) and b not in besides)
+
     @property
     def in_flight(self) -> int:
         """Transfers issued and not finished yet."""

@@ -317,3 +317,44 @@ def test_parameters_of_a_postponed_update_read_as_nan_until_it_runs(tmp_path) ->
         for (name, p), q in zip(model.module.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p, q, msg=name)
     model.close()
+
+
+def test_a_postponed_update_inside_a_forward_runs_on_the_host_where_the_device_is_held(tmp_path) -> None:
+    """A chunk whose states are on the device updates there, but a postponed update runs inside
+    the next forward, whose enclosing units hold device memory: where the chunk's blocks do not
+    fit beside what is pinned, it runs on the host instead of failing for want of room (found in
+    review). (A policy that settles every state it is offered puts states on the device.)"""
+    from helpers import SettleAll, budgets
+
+    torch.manual_seed(0)
+    total = state_bytes(GPT())
+    torch.manual_seed(0)
+    model = hetero.wrap(GPT(), **budgets(total, 0.5, 0.3, tmp_path), chunk_size="8KiB", policy=SettleAll())
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    for b in batches(4, seed=1):
+        default_step(model, opt, b)
+    rt = model._hetero_state.runtime
+    on_device = [c for c in model._hetero_state.chunks if "exp_avg" in c.blocks
+                 and "device" in c.blocks["exp_avg"].tiers]
+    assert on_device, "the configuration must keep optimizer states on the device"
+    chunk = on_device[0]
+    assert opt._tier_for(chunk) == "device"
+    held = [b for b in rt._on["device"] if b.chunk is not chunk]
+    own = list(chunk.blocks.values())
+    pinned = sum(b.nbytes for b in held)
+    need = sum(b.nbytes for b in own)
+    device, capacity = rt.tiers["device"], rt.tiers["device"].capacity
+    for b in held:
+        b.pins["device"] = b.pins.get("device", 0) + 1
+    try:
+        assert rt.pinned_bytes("device", besides=own) == pinned > 0
+        device.capacity = pinned + need - 1  # the chunk fits the device, not beside what is held
+        assert need <= device.capacity and opt._tier_for(chunk) == "host"
+        device.capacity = pinned + need
+        assert opt._tier_for(chunk) == "device"
+    finally:
+        device.capacity = capacity
+        for b in held:
+            b.pins["device"] -= 1
+    assert rt.pinned_bytes("device") == 0 and opt._tier_for(chunk) == "device"
+    model.close()

@@ -146,19 +146,24 @@ def test_a_postponed_update_that_fails_rolls_forward(tmp_path, kind) -> None:
     waiting = len(rt._postponed)
     assert waiting > 5, "the configuration must postpone updates"
     x, y = data[3]
-    failed = 0
-    for after in (0, 0, 4, 12):
+    raised = failed = 0
+    for after in (0, 0, 1, 2, 4, 8, 12):
+        if not rt._postponed:
+            break
+        n = len(rt.tracker.events)
         engine.inject_fault(kind, after=after)
         try:
-            with pytest.raises(hetero.HeteroIOError):
-                model(x, y)
+            model(x, y)
+        except hetero.HeteroIOError:
+            raised += 1
         finally:
             engine.inject_fault("none")
-        failed += len(rt._postponed) == waiting  # the next update failed: still postponed
+        # An update that failed is postponed again, in front (a write fault may instead hit a
+        # write-back, which fails the forward without failing an update).
+        failed += any(e[0] == "postpone" and e[2] for e in rt.tracker.events[n:])
         assert len(rt._postponed) <= waiting
         waiting = len(rt._postponed)
-    # A read fault hits the first update's read (a write fault, a write-back whenever it ends).
-    assert failed or kind == "enospc", "no fault hit a postponed update"
+    assert raised and (failed or kind == "enospc"), (raised, failed)
     # Unchanged by the failed forwards: the step of data[2], applied once (rolled forward here).
     assert_same_model(ref, model)
     expected = ref_opt.state_dict()["state"]

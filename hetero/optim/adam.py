@@ -133,10 +133,15 @@ class Adam(torch.optim.Optimizer):
         return runs
 
     def _tier_for(self, chunk: Chunk) -> str:
+        """The device where the chunk's exp_avg is there and its blocks fit beside what others
+        hold pinned there (a postponed update runs inside a forward, whose enclosing units are
+        pinned), else the host."""
         rt = self._state.runtime
+        if DEVICE not in chunk.blocks[EXP_AVG].tiers:
+            return HOST
         blocks = list(chunk.blocks.values())
-        fits = sum(b.nbytes for b in blocks) <= rt.tiers[DEVICE].capacity
-        return DEVICE if fits and DEVICE in chunk.blocks[EXP_AVG].tiers else HOST
+        room = rt.tiers[DEVICE].capacity - rt.pinned_bytes(DEVICE, besides=blocks)
+        return DEVICE if sum(b.nbytes for b in blocks) <= room else HOST
 
     @staticmethod
     def _written(chunk: Chunk) -> list[Block]:
