@@ -348,6 +348,7 @@ class Runtime:
         if self._postponed:  # nothing can read the model once its swap files are gone
             log.debug("hetero: closing with %d postponed update(s) not run", len(self._postponed))
             self._postponed.clear()
+            self._postponed_at.clear()
         try:
             self.drain()
         except HeteroIOError as exc:
