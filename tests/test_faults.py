@@ -9,7 +9,7 @@ import torch
 
 import hetero
 from hetero import copies, engine
-from helpers import (assert_same_model, failed_step, assert_same_state,
+from helpers import (assert_same_model, assert_same_state, failed_step,
                      assert_within_budgets, budgets, default_step, snapshot)
 from models import GPT, batches, state_bytes
 
