@@ -422,7 +422,6 @@ class Runtime:
             try:
                 run()
             except BaseException:
-                self._catching_up, self._running = False, None
                 self.postpone(cid, run, needs, first=True)
                 raise
             finally:

@@ -25,7 +25,7 @@ import functools
 import itertools
 import logging
 import os
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -200,10 +200,8 @@ class Adam(torch.optim.Optimizer):
                 for c in self._chunks() if (runs := self._runs(c, groups))]
         updated = [u.chunk for u in work]
         if NVME not in rt.tiers:  # nothing can fail half-way
-            for i, update in enumerate(work):
-                ahead = work[i + 1].chunk if i + 1 < len(work) else None
-                self._step_chunk(update, shadow=False, defer=defer,
-                                 then=None if ahead is None else functools.partial(self._hint, ahead))
+            for update, then in self._hinting_next(work):
+                self._step_chunk(update, shadow=False, defer=defer, then=then)
             st.end_step()
             self._settle(updated)
             return loss
@@ -232,7 +230,7 @@ class Adam(torch.optim.Optimizer):
                     if not moving:
                         break
                     stepped = set()
-                    for i, update in enumerate(moving):
+                    for update, then in self._hinting_next(moving):
                         # A chunk in its first step whose new states start on the device beside
                         # its parameters and gradient is in place: updated after the commit, it
                         # needs no copies of its parameters in host memory, for which a small
@@ -243,9 +241,7 @@ class Adam(torch.optim.Optimizer):
                         self._create_states(chunk)
                         if self._tier_for(chunk) == DEVICE and self._in_place(chunk):
                             continue
-                        ahead = moving[i + 1].chunk if i + 1 < len(moving) else None
-                        self._step_chunk(update, shadow=True,
-                                         then=None if ahead is None else functools.partial(self._hint, ahead))
+                        self._step_chunk(update, shadow=True, then=then)
                         stepped.add(id(update))
                     work = [u for u in work if id(u) not in stepped]
                 # Every transfer still in flight, this step's or earlier ones (write-backs and
@@ -321,6 +317,11 @@ class Adam(torch.optim.Optimizer):
         if not _has_states(chunk):
             return  # its first step: the states are created where they start, not fetched
         self._state.runtime.hint(*self._needs(chunk))
+
+    def _hinting_next(self, work: list["_Update"]) -> Iterator[tuple["_Update", Optional[Callable[[], None]]]]:
+        """Each update with what starts fetching for the one after it (None for the last)."""
+        for i, update in enumerate(work):
+            yield update, functools.partial(self._hint, work[i + 1].chunk) if i + 1 < len(work) else None
 
     def _plan(self, chunk: Chunk, runs: list[tuple[int, int, int, int]], groups: dict[int, int]) -> "_Update":
         """The update of ``chunk``: the kernel's arguments per run, with the hyper-parameters of
