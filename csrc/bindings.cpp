@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "adam_queue.h"
 #include "aio.h"
 #include "copy.h"
 #include "cpu_adam_bindings.h"
@@ -125,4 +126,51 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // ---- CPU Adam (csrc/cpu_adam_bindings.cpp); hetero.optim.kernel is the Python face.
   hetero::bind_cpu_adam(m);
+
+  // ---- Adam queue (csrc/adam_queue.h); hetero.optim.kernel.AdamQueue is the Python face.
+  py::class_<hetero::AdamJob>(m, "AdamJob", "One queued job of an AdamQueue.")
+      .def("wait", &hetero::AdamJob::wait, py::call_guard<py::gil_scoped_release>(),
+           "Block (GIL released) until the job ran; raises what it raised, at every wait.")
+      .def("done", &hetero::AdamJob::done, "Whether the job ran (or failed); never blocks.");
+  py::class_<hetero::AdamQueue>(m, "AdamQueue",
+                                "Runs adam_step calls on a thread of its own (no GIL), in order.")
+      .def(py::init<>())
+      .def(
+          "submit",
+          [](hetero::AdamQueue& q, const py::list& calls) {
+            std::vector<hetero::AdamCall> parsed;
+            parsed.reserve(calls.size());
+            for (const py::handle& item : calls) {
+              const auto t = item.cast<py::tuple>();
+              if (t.size() != 16)
+                throw py::value_error("each call is (param, grad, exp_avg, exp_avg_sq, param_out, "
+                                      "step, lr, beta1, beta2, eps, weight_decay, decoupled, "
+                                      "grad_scale, isa, threads, sqrt)");
+              hetero::AdamHyper h;
+              h.step = t[5].cast<int64_t>();
+              h.lr = t[6].cast<double>();
+              h.beta1 = t[7].cast<double>();
+              h.beta2 = t[8].cast<double>();
+              h.eps = t[9].cast<double>();
+              h.weight_decay = t[10].cast<double>();
+              h.decoupled = t[11].cast<bool>();
+              h.grad_scale = t[12].cast<double>();
+              std::optional<at::Tensor> out;
+              if (!t[4].is_none()) out = t[4].cast<at::Tensor>();
+              auto c = hetero::prepare_adam_step(
+                  t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), t[2].cast<at::Tensor>(),
+                  t[3].cast<at::Tensor>(), out, h, t[13].cast<std::string>(),
+                  t[14].cast<int64_t>(), t[15].cast<std::string>());
+              parsed.push_back(std::move(c));
+            }
+            py::gil_scoped_release nogil;
+            return q.submit(std::move(parsed));
+          },
+          py::arg("calls"), "Queue one job (a list of adam_step argument tuples, checked now); an AdamJob. The "
+           "caller keeps the tensors alive until it is done.")
+      .def("shutdown", &hetero::AdamQueue::shutdown, py::call_guard<py::gil_scoped_release>(),
+           "Run what is queued, then stop the thread.")
+      .def("set_test_hook", &hetero::AdamQueue::set_test_hook, py::arg("delay_s"),
+           py::arg("fail_call"), "Tests only: slow every call down, fail one (see adam_queue.h).")
+      .def_property_readonly("calls", &hetero::AdamQueue::calls);
 }

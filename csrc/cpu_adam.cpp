@@ -862,10 +862,20 @@ bool torch_uses_fma() {
   return tn.fma_add && tn.fma_lerp && tn.fma_addcmul;
 }
 
-void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
-               const AdamHyper& hyper, const std::string& isa_name_requested, int64_t threads,
-               const std::string& sqrt) {
+struct PreparedAdam {
+  Consts c;
+  Ptrs t;
+  AdamFn fn;
+  int64_t n;
+  int64_t threads;
+  bool mkl;
+};
+
+std::shared_ptr<const PreparedAdam> prepare_adam_step(
+    const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
+    const AdamHyper& hyper, const std::string& isa_name_requested, int64_t threads,
+    const std::string& sqrt) {
   TORCH_CHECK_VALUE(param.defined(), "param is undefined");
   const int64_t n = param.numel();
   check_flat(param, "param", n);
@@ -899,17 +909,29 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   TORCH_CHECK_VALUE(sqrt == "torch" || sqrt == "ieee", "sqrt='", sqrt,
                     "' is not accepted; expected 'torch' or 'ieee'");
   const CpuIsa isa = resolve_isa(isa_name_requested);
-  if (n == 0) return;
   const TorchNumerics& tn = torch_numerics();
   const bool mkl = sqrt == "torch" && tn.mkl_sqrt;
-  const Consts c = make_consts(hyper, tn, mkl ? &mkl_block_sqrt : nullptr);
-  const Ptrs t{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
-               exp_avg_sq.data_ptr<float>(), o == Out::kNone ? nullptr : param_out->data_ptr()};
-  const AdamFn fn = pick(isa, g, o);
-  parallel_ranges(n, resolve_threads(threads), [&](int64_t begin, int64_t end) {
-    const MklSequential sequential(mkl);
-    fn(c, t, begin, end);
+  return std::make_shared<const PreparedAdam>(PreparedAdam{
+      make_consts(hyper, tn, mkl ? &mkl_block_sqrt : nullptr),
+      Ptrs{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
+           exp_avg_sq.data_ptr<float>(), o == Out::kNone ? nullptr : param_out->data_ptr()},
+      pick(isa, g, o), n, resolve_threads(threads), mkl});
+}
+
+void run_prepared_adam(const PreparedAdam& p) {
+  if (p.n == 0) return;
+  parallel_ranges(p.n, p.threads, [&](int64_t begin, int64_t end) {
+    const MklSequential sequential(p.mkl);
+    p.fn(p.c, p.t, begin, end);
   });
+}
+
+void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
+               const AdamHyper& hyper, const std::string& isa, int64_t threads,
+               const std::string& sqrt) {
+  run_prepared_adam(*prepare_adam_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, isa,
+                                       threads, sqrt));
 }
 
 int64_t stream_update(const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& update,

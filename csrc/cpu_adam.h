@@ -32,6 +32,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -70,6 +71,19 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                const AdamHyper& hyper, const std::string& isa, int64_t threads,
                const std::string& sqrt);
+
+// adam_step in two halves, for updates run later on another thread (adam_queue.h): prepare checks
+// the arguments as adam_step does (throwing the same errors) and resolves the code path, thread
+// count (threads <= 0: this thread's at::get_num_threads()) and constants; the result holds raw
+// pointers into the tensors, not references, so that no tensor is released off the caller's
+// thread (releasing one can need the GIL). The caller keeps the tensors alive, and leaves them
+// alone, until run_prepared_adam returned.
+struct PreparedAdam;
+std::shared_ptr<const PreparedAdam> prepare_adam_step(
+    const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
+    const AdamHyper& hyper, const std::string& isa, int64_t threads, const std::string& sqrt);
+void run_prepared_adam(const PreparedAdam& prepared);
 
 // How torch's own kernels round in this process (measured once against torch): the square root
 // sqrt="torch" resolves to ("mkl" or "ieee"), and whether add/lerp/addcmul fuse multiply-adds.

@@ -16,9 +16,9 @@ Two views of every block are kept apart:
   :class:`~hetero.transfers.InFlight`), so a slot is reused only after the transfer out of it
   completed and device memory in use never exceeds the device budget.
   Compute waits only in :meth:`acquire`, for the blocks it asked for; that wait is the stall time.
-  Host-side work on blocks can be an op too (:meth:`defer`: the optimizer's CPU step of a chunk),
-  so it runs on a worker while the next forward goes on, and whatever touches those blocks next
-  waits for it through the same conflict rules.
+  Host-side work on blocks can be an op too (:meth:`defer`: the optimizer's CPU step of a chunk,
+  on the optimizer's C++ queue), so it runs off the training thread while the next forward goes
+  on, and whatever touches those blocks next waits for it through the same conflict rules.
 
 Invariants kept at every instant:
 
@@ -45,7 +45,6 @@ import contextlib
 import itertools
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -108,14 +107,13 @@ class Runtime:
         self._prefetching_now = False
         self._protected: set[Block] = set()
         self._evicting_from_device = 0  # device evictions in progress (each may place a block on the host)
-        self._worker: Optional[ThreadPoolExecutor] = None  # runs deferred host work, in order
         # Work postponed per chunk (the optimizer's updates that must move data), run before
         # anything touches one of the chunk's blocks: see postpone().
         self._postponed: dict[str, tuple[Callable[[], None], Callable[[], tuple[list[Block], str]]]] = {}
         self._catching_up = False
         self._postponed_at: dict[str, int] = {}  # chunk id -> when it was postponed (its order)
         self._postpone_seq = itertools.count()
-        self._running: Optional[str] = None  # the chunk whose postponed work is running
+        self._last_at = -1  # when the postponed work that ran (runs) last was postponed
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -354,26 +352,23 @@ class Runtime:
         except HeteroIOError as exc:
             log.warning("hetero: a transfer failed while closing: %s", exc)
         finally:
-            if self._worker is not None:
-                self._worker.shutdown(wait=True)
             self.storage.close()
 
     def defer(self, tier: str, reads: Sequence[Block], writes: Sequence[Block],
-              fn: Callable[[], None]) -> None:
-        """Run ``fn``, which reads ``reads`` and writes ``writes`` on ``tier`` (host), on the
-        runtime's worker thread, and return at once. The caller holds all of them acquired on
-        ``tier`` (so they are there, with no transfer pending) and may release them right away:
-        each gets a compute op that every later transfer, acquire, eviction or slot reuse of the
-        block waits for, like any op. Deferred calls run one at a time, in order. Not recorded
-        in the event log: it changes no placement, only when the bytes are ready. An exception
-        of ``fn`` surfaces from the runtime call that waits for it."""
+              start: Callable[[], Any]) -> None:
+        """Start work that reads ``reads`` and writes ``writes`` on ``tier`` (host) off this
+        thread (``start()`` submits it and returns its job: ``done()``, ``wait()``, see
+        :class:`hetero.optim.kernel.Job`), and return at once. The caller holds all of them
+        acquired on ``tier`` (so they are there, with no transfer pending) and may release them
+        right away: each gets a compute op that every later transfer, acquire, eviction or slot
+        reuse of the block waits for, like any op. Not recorded in the event log: it changes no
+        placement, only when the bytes are ready. An exception of the work surfaces from the
+        runtime call that waits for it."""
         assert tier == HOST, "deferred work runs on host copies"
         blocks = list(reads) + [b for b in writes if b not in reads]
         for b in blocks:
             assert b.pins.get(tier) and not self._ops.of(b), f"runtime bug: defer on {b}"
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hetero-defer")
-        handle = Deferred(self._worker.submit(fn))
+        handle = Deferred(start())
         for b in blocks:
             loc = self.storage.loc(b, tier)
             op = Op(next(self._seq), b, tier, tier if b in writes else None, loc, loc, False, False,
@@ -416,7 +411,7 @@ class Runtime:
             return  # (the work running touches only its own chunk's blocks)
         for cid in [c for c in self._postponed if chunk_ids is None or c in chunk_ids]:
             run, needs = self._postponed.pop(cid)
-            self._running = cid
+            self._last_at = self._postponed_at.get(cid, -1)
             self.tracker.event("catch_up", (cid,))
             self._catching_up = True
             try:
@@ -425,18 +420,27 @@ class Runtime:
                 self.postpone(cid, run, needs, first=True)
                 raise
             finally:
-                self._catching_up, self._running = False, None
+                self._catching_up = False
             del self._postponed_at[cid]
 
+    def _up_next(self) -> list[str]:
+        """The postponed work the forward is expected to reach next: at most ``2 * prefetch``
+        pieces (a unit's chunks run back to back, so one ahead would be no lead), in the order
+        it was postponed (the optimizer's: the forward's), after the work that ran last. Work
+        older than that was passed by (a routed expert the forward skipped): it runs at the next
+        step's catch-up, or at its chunk's next touch."""
+        return list(itertools.islice((c for c in self._postponed if self._postponed_at.get(c, -1) > self._last_at),
+                                     max(1, 2 * self.prefetch_depth)))
+
     def hint_postponed(self) -> None:
-        """Start fetching what the postponed work after the one running needs, in the order it
-        was postponed (the optimizer's: the forward's), skipping work older than the one running
-        (a routed expert the forward passed by), else the oldest."""
-        at = self._postponed_at.get(self._running, -1) if self._running is not None else -1
-        later = [c for c in self._postponed if self._postponed_at.get(c, -1) > at]
-        nxt = min(later, key=self._postponed_at.__getitem__) if later else next(iter(self._postponed), None)
-        if nxt is not None:
-            self.hint(*self._postponed[nxt][1]())
+        """Start fetching what the work up next needs (:meth:`_up_next`), else what the oldest
+        work needs."""
+        by_tier: dict[str, list[Block]] = {}
+        for cid in self._up_next() or list(itertools.islice(self._postponed, 1)):
+            blocks, tier = self._postponed[cid][1]()
+            by_tier.setdefault(tier, []).extend(blocks)
+        for tier, blocks in by_tier.items():
+            self.hint(blocks, tier)
 
     # ------------------------------------------------------------------ transactions
 
@@ -651,25 +655,37 @@ class Runtime:
         """Bring what the policy expects next towards where it is needed, in next-use order: the
         next ``prefetch`` acquires onto their tier, the ones after them from NVMe into host
         memory. A prefetch only evicts blocks the policy expects later than the block it brings.
-        Transfers are issued and not waited for. Nothing to do while every copy is on the device
+        A block the next acquires create on the device gets its room made the same way (and kept
+        from the fetches after it), so its creation waits for no write-back. Transfers are
+        issued and not waited for. Nothing to do while every copy is on the device
         (a model within its device budget): the tiers below hold nothing then."""
         if self.prefetch_depth <= 0 or not any(self.tiers[t].used for t in self._below[DEVICE]):
             return
         ahead = self.policy.upcoming(2 * self.prefetch_depth)
         near = None  # how many of them the next ``prefetch`` acquires make up (asked when needed)
+        made = 0  # device bytes freed for blocks the next acquires create: later fetches leave them
         for i, (block_id, tier) in enumerate(ahead):
             block = self._blocks.get(block_id)
-            if block is None or tier == NVME or not self._fetchable(block, tier):
+            if block is None or tier == NVME:
+                continue
+            creating = not block.tiers  # made anew where it is used (a gradient zero_grad freed)
+            if (tier != DEVICE) if creating else not self._fetchable(block, tier):
                 continue
             if near is None:
                 near = len(self.policy.upcoming(self.prefetch_depth))
+            if creating:
+                if i < near:
+                    if not self._make_room_ahead(block, self.policy.next_use(block_id, tier), made):
+                        break
+                    made += block.nbytes
+                continue
             target = tier if i < near else HOST
             if target == HOST and HOST in block.tiers:
                 continue
             if target == DEVICE and block.chunk_id in self._postponed:
                 continue  # the chunk's postponed work runs first, and rewrites it elsewhere
             horizon = self.policy.next_use(block_id, tier)
-            if not self._prefetch_one(block, target, horizon):
+            if not self._prefetch_one(block, target, horizon, keep=made):
                 break
 
     def _fetchable(self, block: Block, tier: str) -> bool:
@@ -678,17 +694,18 @@ class Runtime:
         return bool(block.tiers) and tier not in block.tiers and not any(block.pins.values()) and not (
             self._txn is not None and block in self._txn.shadows)
 
-    def _prefetch_one(self, block: Block, target: str, horizon: float) -> bool:
-        """Issue the transfers that bring ``block`` to ``target``; False (and nothing more
-        issued) where room cannot be made. Speculative: it never gives up a transaction's shadow
-        (even in the write-backs its evictions cause) and never raises HeteroOOMError."""
+    def _prefetch_one(self, block: Block, target: str, horizon: float, keep: int = 0) -> bool:
+        """Issue the transfers that bring ``block`` to ``target``, leaving ``keep`` device bytes
+        free; False (and nothing more issued) where room cannot be made. Speculative: it never
+        gives up a transaction's shadow (even in the write-backs its evictions cause) and never
+        raises HeteroOOMError."""
         steps = ([HOST] if HOST not in block.tiers else []) + ([DEVICE] if target == DEVICE else [])
         self._prefetching_now = True
         try:
             for tier in steps:
                 self._placing.add(block)  # its staged host copy must survive making device room
                 try:
-                    if not self._make_room(block, tier, horizon):
+                    if not self._make_room(block, tier, horizon, keep if tier == DEVICE else 0):
                         return False
                 finally:
                     self._placing.discard(block)
@@ -703,12 +720,27 @@ class Runtime:
         self.tracker.prefetch_issued += 1
         return True
 
-    def _make_room(self, block: Block, tier: str, horizon: float) -> bool:
-        """Free room for ``block`` on ``tier`` by evicting only blocks needed after ``horizon``:
-        bytes of its budget, then (below the device) a free run of slots or units in which the
-        placement cannot fail, so that the placement itself evicts nothing."""
+    def _make_room_ahead(self, block: Block, horizon: float, keep: int) -> bool:
+        """Evict now what the device must give up for ``block``, which the next acquires create
+        there (a gradient made anew by the backward), beside ``keep`` bytes kept free for others:
+        the write-backs then run while the current unit computes instead of holding up the
+        creation. Like a prefetch, only blocks the policy expects later than ``horizon`` go, and
+        it is False where that is not enough."""
+        self._prefetching_now = True
+        try:
+            return self._make_room(block, DEVICE, horizon, keep)
+        except HeteroOOMError:  # no room below for a victim
+            return False
+        finally:
+            self._prefetching_now = False
+
+    def _make_room(self, block: Block, tier: str, horizon: float, keep: int = 0) -> bool:
+        """Free room for ``block`` on ``tier`` (beside ``keep`` more bytes, on the device) by
+        evicting only blocks needed after ``horizon``: bytes of its budget, then (below the
+        device) a free run of slots or units in which the placement cannot fail, so that the
+        placement itself evicts nothing."""
         t = self.tiers[tier]
-        need = self._size_on(tier, block)
+        need = self._size_on(tier, block) + keep
         later = lambda b: self._evictable(b, tier, {block}) and self.policy.next_use(b.id, tier) > horizon  # noqa: E731
         while t.free < need:
             victim = self._victims.choose(tier, self._on[tier], self._info, later)

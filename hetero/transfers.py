@@ -12,7 +12,6 @@ deferred chunk updates, write-backs, prefetches).
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import Any, Iterator, Optional
 
 import torch
@@ -84,23 +83,24 @@ class Op:
 
 
 class Deferred:
-    """The handle of deferred host work, shared by its blocks' ops: what the work raised is
-    raised by the first wait only."""
+    """The handle of deferred host work (a job with ``done()`` and ``wait()``, see
+    :class:`hetero.optim.kernel.Job`), shared by its blocks' ops: what the work raised is raised
+    by the first wait only."""
 
-    __slots__ = ("_future", "_reported")
+    __slots__ = ("_job", "_reported")
 
-    def __init__(self, future: Future) -> None:
-        self._future = future
+    def __init__(self, job: Any) -> None:
+        self._job = job
         self._reported = False
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._job.done()
 
     def wait(self) -> None:
         if self._reported:
             return
         try:
-            self._future.result()
+            self._job.wait()
         except BaseException:
             self._reported = True
             raise

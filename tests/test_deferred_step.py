@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -20,20 +21,21 @@ SLOW = 0.01  # seconds added to every kernel call where a test measures time
 SLOW_FUZZ = 0.003  # where it only widens race windows
 
 
-def slow_kernel(monkeypatch, delay: float, fail: bool = False) -> list[int]:
-    """Make every kernel call ``delay`` seconds slower (and the first one raise, with ``fail``);
-    returns a one-item list counting the calls."""
+def slow_kernel(monkeypatch, opt, delay: float, fail: bool = False) -> Callable[[], int]:
+    """Make every kernel call of ``opt`` ``delay`` seconds slower, on both of its paths: the
+    calls it makes itself and those its queue runs for deferred updates (with ``fail`` the
+    first of those raises); returns a function counting the calls since."""
     real, calls = adam_mod.adam_step_, [0]
 
     def slow(*args, **kwargs):
         calls[0] += 1
         time.sleep(delay)
-        if fail and calls[0] == 1:
-            raise RuntimeError("kernel failed")
         real(*args, **kwargs)
 
     monkeypatch.setattr(adam_mod, "adam_step_", slow)
-    return calls
+    queued = opt._queue.calls
+    opt._queue.set_test_hook(delay, 1 if fail else 0)
+    return lambda: calls[0] + opt._queue.calls - queued
 
 
 def second_step(monkeypatch, defer: str, fail: bool = False, step: bool = True):
@@ -52,7 +54,7 @@ def second_step(monkeypatch, defer: str, fail: bool = False, step: bool = True):
     default_step(model, opt, data[0])
     default_step(eager, eager_opt, data[0])
     model._hetero_state.runtime.drain()  # (the first step's deferred work runs the real kernel)
-    calls = slow_kernel(monkeypatch, SLOW, fail)
+    calls = slow_kernel(monkeypatch, opt, SLOW, fail)
     x, y = data[1]
     model(x, y).backward()
     if not step:
@@ -67,7 +69,7 @@ def test_deferred_step_returns_at_once_and_the_next_forward_waits_for_it(monkeyp
     rt = model._hetero_state.runtime
     assert any(op.compute for op in rt._ops), "nothing was deferred"
     rt.drain()
-    n = calls[0]
+    n = calls()
     assert n > 5 and took < 0.5 * n * SLOW, f"step() took {took:.3f} s for {n} slow kernel calls"
     opt.zero_grad()
     default_step(eager, eager_opt, data[1])
@@ -100,7 +102,7 @@ def test_each_parameter_fetch_waits_only_for_its_own_chunks_update(monkeypatch) 
 
 def test_synchronous_step_when_not_deferred(monkeypatch) -> None:
     model, _, _, took, calls = second_step(monkeypatch, "0")
-    n = calls[0]
+    n = calls()
     assert n > 5 and took >= n * SLOW
     assert not any(op.compute for op in model._hetero_state.runtime._ops)
     model.close()
@@ -109,7 +111,7 @@ def test_synchronous_step_when_not_deferred(monkeypatch) -> None:
 def test_deferred_step_failure_is_reported_once(monkeypatch) -> None:
     model, opt, _, _, _ = second_step(monkeypatch, "1", fail=True, step=False)
     rt = model._hetero_state.runtime
-    with pytest.raises(RuntimeError, match="kernel failed"):  # from step() or a later call
+    with pytest.raises(RuntimeError, match="injected kernel failure"):  # from step() or a later call
         opt.step()
         rt.drain()
     rt.drain()  # the other ops of the failed work finish without raising it again
@@ -140,6 +142,7 @@ def train(monkeypatch, defer: str, between, mp=None, device=0.25, host=None, pre
         kw["mixed_precision"] = hetero.MixedPrecision(param_dtype=mp, reduce_dtype=mp)
     model = hetero.wrap(net, **kw)
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    slow_kernel(monkeypatch, opt, SLOW_FUZZ)
     losses, extra = [], []
     for i, (x, y) in enumerate(batches(steps, seed=1)):
         loss = model(x, y)
@@ -244,7 +247,6 @@ def test_deferred_equals_synchronous(monkeypatch, tmp_path, between, mp, nvme) -
     """With NVMe (host 30%: optimizer states in swap files) the deferred step postpones the
     updates of chunks whose state must move to the next forward, against the synchronous
     all-or-nothing step."""
-    slow_kernel(monkeypatch, SLOW_FUZZ)
     kw = dict(mp=mp, host=0.3, nvme=tmp_path) if nvme else dict(mp=mp)
     POSTPONED.update({"0": 0, "1": 0})
     sync, deferred = train(monkeypatch, "0", between, **kw), train(monkeypatch, "1", between, **kw)
@@ -256,7 +258,6 @@ def test_deferred_equals_synchronous(monkeypatch, tmp_path, between, mp, nvme) -
 def test_postponed_updates_of_a_routed_model_equal_synchronous(monkeypatch, tmp_path, between) -> None:
     """An expert the next batch is not routed to: its postponed update runs when its gradient is
     next written or at the next step(), not in the forward."""
-    slow_kernel(monkeypatch, SLOW_FUZZ)
     kw = dict(host=0.3, nvme=tmp_path, routed=True, steps=6)
     POSTPONED.update({"0": 0, "1": 0})
     sync, deferred = train(monkeypatch, "0", between, **kw), train(monkeypatch, "1", between, **kw)
@@ -284,7 +285,6 @@ def state_dicts_around_a_clipped_mixed_precision_step(model, opt, when, i):
 
 
 def test_state_dict_after_a_deferred_mixed_precision_step(monkeypatch) -> None:
-    slow_kernel(monkeypatch, SLOW_FUZZ)
     # (host 2.0: with 8 KiB slots the blocks take 1.8x the state's bytes; 1.6 fit only by luck)
     kw = dict(mp=torch.bfloat16, device=0.15, host=2.0, prefetch=4, steps=3)
     between = state_dicts_around_a_clipped_mixed_precision_step

@@ -374,3 +374,34 @@ def test_postponed_work_runs_once_at_the_first_touch_and_hints_the_next_in_order
     rt.catch_up()
     assert ran == ["a", "c", "b", "a"] and not rt._postponed
     assert [e[1] for e in rt.tracker.events if e[0] == "catch_up"] == [("a",), ("b",), ("c",), ("b",), ("a",)]
+
+
+def test_prefetch_makes_device_room_ahead_for_a_block_the_next_acquire_creates() -> None:
+    """A gradient the backward makes anew (zero_grad freed the last one) is created where it is
+    used, so it cannot be prefetched; a policy that knows it comes next evicts for it ahead (a
+    block needed later than it), so the creation waits for no write-back."""
+    from hetero.policies import Opt
+    from hetero.runtime import Runtime
+    from hetero.simulator import SimBlock, SimStorage
+
+    caps = {"device": 2 * 4096, "host": 1 << 20}
+    rt = Runtime(caps, 4096, Opt(), SimStorage(caps, 4096), prefetch=2)
+    a, b, grad = (SimBlock(i, k, 4096) for i, k in (("a.param", "param"), ("b.param", "param"), ("b.grad", "grad")))
+    for block in (a, b):
+        rt.create(block, tier="host")
+
+    def use(block, tier, write=False):
+        rt.acquire([block], tier, write=write)
+        rt.release([block], tier)
+
+    for _ in range(3):  # forward a, b; backward creates b's gradient; the optimizer reads it on the host
+        use(a, "device")
+        use(b, "device")
+        use(grad, "device", write=True)
+        use(grad, "host")
+        rt.discard(grad)
+        rt.end_step()
+    use(a, "device")
+    use(b, "device")  # the gradient is created next: a (needed only in the next step) goes now
+    assert "device" not in a.tiers and rt.tiers["device"].free >= grad.nbytes
+    use(grad, "device", write=True)

@@ -8,13 +8,13 @@ slot). The math is torch's single-tensor Adam, op for op, so results match ``tor
 ``AdamW`` to float32 rounding; ``state_dict()`` is torch's format and loads into either.
 
 Without an NVMe tier, a chunk stepped on the host is *deferred* (:meth:`Runtime.defer`):
-``step()`` returns once every chunk's update is queued on the runtime's worker, and the next
-forward waits only for the chunks it is about to use. Chunks are queued in the order the forward
-uses them, so on a GPU the CPU updates the later chunks while the GPU runs the first layers. The
-results are the same bits as a synchronous step. With NVMe, a chunk whose state must move is
-*postponed* (:meth:`Runtime.postpone`): its update, NVMe reads and writes included, runs when the
-next forward reaches the chunk, so the disk works while the forward computes; a failure there
-rolls the update forward, not back (:meth:`Adam.step`). ``HETERO_DEFER_STEP=0`` turns both off:
+``step()`` returns once every chunk's update is queued (on :class:`~hetero.optim.kernel.AdamQueue`,
+a C++ thread free of the GIL), and the next forward waits only for the chunks it is about to use.
+Chunks are queued in the order the forward uses them, so on a GPU the CPU updates the later chunks
+while the GPU runs the first layers. The results are the same bits as a synchronous step. With
+NVMe, a chunk whose state must move is *postponed* (:meth:`Runtime.postpone`): its update, NVMe
+reads and writes included, runs when the next forward reaches the chunk, so the disk works while
+the forward computes; a failure there rolls the update forward, not back (:meth:`Adam.step`). ``HETERO_DEFER_STEP=0`` turns both off:
 the step is then synchronous, and with NVMe all or nothing.
 """
 
@@ -33,7 +33,7 @@ from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, Par
 from ..config import format_size
 from ..errors import HeteroConfigError, HeteroOOMError
 from ..tiers import DEVICE, HOST, NVME
-from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
+from .kernel import AdamQueue, adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Adam(torch.optim.Optimizer):
                         maximize=False, foreach=foreach, capturable=False, differentiable=False,
                         fused=fused, decoupled_weight_decay=self._decoupled)
         self._state = None
+        self._queue = AdamQueue()  # runs deferred host updates, in order, off the GIL
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ parameter bookkeeping
@@ -271,7 +272,7 @@ class Adam(torch.optim.Optimizer):
 
     def _update_in_place(self, work: list["_Update"], defer: bool = True) -> None:
         """Run the updates of chunks whose blocks are all where they are updated: nothing moves,
-        so nothing can fail (on the host deferred to the runtime's worker when ``defer``)."""
+        so nothing can fail (on the host deferred to the optimizer's queue when ``defer``)."""
         rt = self._state.runtime
         rt.set_prefetching(False)  # in place: nothing to fetch ahead
         try:
@@ -374,7 +375,7 @@ class Adam(torch.optim.Optimizer):
             p_flat = rt.data(param, tier) if param is not None else None
             deferring = defer and tier == HOST
             if deferring:
-                update.freeze()  # it runs on the runtime's worker after this returns
+                update.freeze()  # it runs on the optimizer's queue after this returns
             # On the CPU one fused pass of the C++ kernel: low-precision grad in with the clip/loss
             # scale folded in, fp32 master/m/v updated, low-precision param out. Elsewhere the same
             # math as torch ops (hetero.optim.kernel.adam_step_).
@@ -382,17 +383,11 @@ class Adam(torch.optim.Optimizer):
                       dict(kw, param_out=None if p_flat is None else p_flat[a:b]))
                      for a, b, kw in update.calls]
 
-            def run() -> None:
-                with torch.no_grad():
-                    for args, kwargs in calls:
-                        adam_step_(*args, **kwargs)
-
-            if deferring:  # with the caller's thread count (the worker would see its own default)
-                for _, kwargs in calls:
-                    kwargs["threads"] = torch.get_num_threads()
-                rt.defer(tier, [grad], writes, run)
+            if deferring:
+                rt.defer(tier, [grad], writes, functools.partial(self._queue.submit, calls))
             else:
-                run()
+                for args, kwargs in calls:
+                    adam_step_(*args, **kwargs)
             for s in update.slots:
                 s.step += 1
         finally:

@@ -32,6 +32,8 @@ on a shared machine delays only its piece. Results are identical for every threa
 
 from __future__ import annotations
 
+from typing import Any, Optional, Protocol
+
 import torch
 
 from hetero.native import ERROR as _EXT_ERROR, _C as _ext
@@ -168,3 +170,107 @@ def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *, scal
         raise RuntimeError(_unavailable("streaming kernel"))
     return int(_ext.stream_update(read, update, scale=float(scale), isa=isa or "",
                                   threads=torch.get_num_threads() if threads is None else int(threads)))
+
+
+Call = tuple[tuple[torch.Tensor, ...], dict[str, Any]]  # (args, kwargs) of adam_step_
+
+
+class Job(Protocol):
+    """The handle of a submitted job: ``done()`` never blocks; ``wait()`` blocks until the job
+    ran and raises what it raised."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class AdamQueue:
+    """Runs :func:`adam_step_` calls later, in the order submitted, on a thread of its own that
+    never takes the GIL (``csrc/adam_queue.h``): the optimizer's deferred host updates, which a
+    Python thread would start only when the training loop's Python code let go of the GIL (up to
+    the interpreter's 5 ms switch interval per update). The thread starts on first use. A job
+    some call of which the C++ kernel cannot run (no extension; a parameter that is not fp32)
+    runs at once in the caller's thread instead, and its handle is done: same results, no
+    overlap."""
+
+    def __init__(self) -> None:
+        self._queue: Optional[Any] = None
+
+    def submit(self, calls: list[Call]) -> Job:
+        """Queue ``calls`` as one job; their arguments are checked now, and the default
+        ``threads`` is this thread's torch thread count (not the queue thread's)."""
+        if not all(_kernel_applies(list(args), args[1], kw.get("param_out")) for args, kw in calls):
+            return _RanNow(calls)
+        if self._queue is None:
+            self._queue = _ext.AdamQueue()
+        return _Queued(self._queue.submit([_packed(args, kw) for args, kw in calls]), calls)
+
+    def set_test_hook(self, delay: float, fail_call: int = 0) -> None:
+        """Tests only: every queued call from now on first sleeps ``delay`` seconds, and the
+        ``fail_call``-th (1-based; 0: none) raises RuntimeError("injected kernel failure")."""
+        if self._queue is None:
+            self._queue = _ext.AdamQueue()
+        self._queue.set_test_hook(float(delay), int(fail_call))
+
+    @property
+    def calls(self) -> int:
+        """Calls the queue's thread has started."""
+        return 0 if self._queue is None else int(self._queue.calls)
+
+    def shutdown(self) -> None:
+        """Let the queued jobs run, then stop the thread (a later submit starts a new one)."""
+        if self._queue is not None:
+            self._queue.shutdown()
+            self._queue = None
+
+
+def _packed(args: tuple[torch.Tensor, ...], kw: dict[str, Any]) -> tuple:
+    """A call as ``_C.AdamQueue.submit`` takes it (see csrc/bindings.cpp), which checks it."""
+    scale, threads = kw.get("grad_scale"), kw.get("threads")
+    return (*args, kw.get("param_out"), int(kw["step"]), float(kw["lr"]), float(kw["beta1"]),
+            float(kw["beta2"]), float(kw["eps"]), float(kw["weight_decay"]), bool(kw["decoupled"]),
+            1.0 if scale is None else float(scale), kw.get("isa") or "",
+            0 if threads is None else int(threads), kw.get("sqrt", "torch"))
+
+
+class _Queued:
+    """A queued job and the tensors its calls point into, kept alive until it ran: a handle
+    dropped early waits for it (it never needs the GIL, so that cannot deadlock)."""
+
+    __slots__ = ("_job", "_calls")
+
+    def __init__(self, job: Any, calls: list[Call]) -> None:
+        self._job, self._calls = job, calls
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    def wait(self) -> None:
+        self._job.wait()
+
+    def __del__(self) -> None:
+        try:
+            self._job.wait()
+        except Exception:  # reported by wait() to whoever kept the handle
+            pass
+
+
+class _RanNow:
+    """A job run in the caller's thread at submit: what it raised is raised by every wait."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, calls: list[Call]) -> None:
+        self._error: Optional[BaseException] = None
+        try:
+            for args, kw in calls:
+                adam_step_(*args, **kw)
+        except Exception as exc:  # raised from wait(), like a queued job's
+            self._error = exc
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error

@@ -1,0 +1,89 @@
+#include "adam_queue.h"
+
+#include <chrono>
+#include <exception>
+#include <stdexcept>
+
+namespace hetero {
+
+struct AdamJobState {
+  std::vector<AdamCall> calls;  // released once they ran (no tensor references: see the header)
+  std::atomic<bool> done{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::exception_ptr error;  // set before done
+};
+
+bool AdamJob::done() const { return s_->done.load(std::memory_order_acquire); }
+
+void AdamJob::wait() const {
+  if (!s_->done.load(std::memory_order_acquire)) {
+    std::unique_lock<std::mutex> lock(s_->mu);
+    s_->cv.wait(lock, [&] { return s_->done.load(std::memory_order_acquire); });
+  }
+  if (s_->error) std::rethrow_exception(s_->error);
+}
+
+AdamQueue::AdamQueue() : thread_([this] { loop(); }) {}
+
+AdamQueue::~AdamQueue() { shutdown(); }
+
+AdamJob AdamQueue::submit(std::vector<AdamCall> calls) {
+  auto s = std::make_shared<AdamJobState>();
+  s->calls = std::move(calls);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) throw std::runtime_error("the Adam queue is shut down");
+    queue_.push_back(s);
+  }
+  cv_.notify_one();
+  return AdamJob(std::move(s));
+}
+
+void AdamQueue::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+void AdamQueue::set_test_hook(double delay_s, int64_t fail_call) {
+  delay_us_.store(static_cast<int64_t>(delay_s * 1e6));
+  fail_at_.store(fail_call > 0 ? calls_.load() + fail_call : 0);
+}
+
+void AdamQueue::run_call(const AdamCall& c) {
+  const int64_t n = calls_.fetch_add(1) + 1;
+  if (const int64_t us = delay_us_.load(); us > 0)
+    std::this_thread::sleep_for(std::chrono::microseconds(us));
+  if (n == fail_at_.load()) throw std::runtime_error("injected kernel failure");
+  run_prepared_adam(*c);
+}
+
+void AdamQueue::loop() {
+  for (;;) {
+    std::shared_ptr<AdamJobState> s;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything queued ran
+      s = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    try {
+      for (const AdamCall& c : s->calls) run_call(c);
+    } catch (...) {
+      s->error = std::current_exception();
+    }
+    s->calls.clear();
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->done.store(true, std::memory_order_release);
+    }
+    s->cv.notify_all();
+  }
+}
+
+}  // namespace hetero

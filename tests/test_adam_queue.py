@@ -1,0 +1,147 @@
+"""The optimizer's queue of deferred host updates (csrc/adam_queue.h via hetero.optim.kernel.AdamQueue):
+the same bits as calling the kernel, in order, errors at every wait, arguments checked at submit,
+tensors kept alive by the handle, and a thread that never needs the GIL."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import pytest
+import torch
+
+from hetero.optim import kernel as K
+
+pytestmark = pytest.mark.skipif(not K.has_kernel(), reason="hetero._C built without the CPU Adam kernel")
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+
+
+def state(n: int, seed: int, grad_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    p, m, v = (torch.randn(n, generator=g) for _ in range(3))
+    return p, torch.randn(n, generator=g).to(grad_dtype), m, v.abs()
+
+
+def calls_over(tensors, steps: int, **extra):
+    """One call per step over the same tensors (each reads what the one before wrote)."""
+    return [(tensors, dict(HYPER, step=s, **extra)) for s in range(1, steps + 1)]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_queued_jobs_equal_the_kernel_in_order(grad_dtype) -> None:
+    """Jobs over the same tensors run in submission order, each as adam_step_ would."""
+    q = K.AdamQueue()
+    mine, ref = state(70001, 0, grad_dtype), state(70001, 0, grad_dtype)
+    out = torch.empty(70001, dtype=torch.bfloat16) if grad_dtype != torch.float32 else None
+    ref_out = None if out is None else out.clone()
+    jobs = [q.submit(calls_over(mine, 2, grad_scale=0.5, param_out=out, sqrt=sqrt)) for sqrt in ("torch", "ieee", "torch")]
+    for sqrt in ("torch", "ieee", "torch"):
+        for args, kw in calls_over(ref, 2, grad_scale=0.5, param_out=ref_out, sqrt=sqrt):
+            K.adam_step_(*args, **kw)
+    for job in jobs:
+        job.wait()
+        assert job.done()
+    for a, b in zip(mine, ref):
+        assert torch.equal(a, b)
+    if out is not None:
+        assert torch.equal(out, ref_out)
+    q.shutdown()
+
+
+def test_bad_arguments_raise_at_submit_and_queue_nothing() -> None:
+    q = K.AdamQueue()
+    p, g, m, v = state(64, 1)
+    before = p.clone()
+    with pytest.raises(ValueError, match="step"):
+        q.submit([((p, g, m, v), dict(HYPER, step=0))])
+    with pytest.raises(ValueError, match="sqrt"):
+        q.submit([((p, g, m, v), dict(HYPER, step=1, sqrt="fast"))])
+    with pytest.raises((ValueError, TypeError)):
+        q.submit([((p, g, m[:10], v), dict(HYPER, step=1))])
+    q.submit([((p, g, m, v), dict(HYPER, step=1))]).wait()  # the queue still works
+    assert not torch.equal(p, before)
+    assert q.calls == 1
+
+
+def test_a_failed_job_raises_at_every_wait_and_later_jobs_still_run() -> None:
+    q = K.AdamQueue()
+    q.set_test_hook(0.0, fail_call=2)
+    a, b = state(256, 2), state(256, 3)
+    b_before = [t.clone() for t in b]
+    first = q.submit(calls_over(a, 1))
+    failed = q.submit(calls_over(b, 1))  # call 2: fails before touching b
+    after = q.submit(calls_over(b, 1))
+    first.wait()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="injected kernel failure"):
+            failed.wait()
+    after.wait()
+    ref = [t.clone() for t in b_before]
+    K.adam_step_(*ref, **calls_over(None, 1)[0][1])
+    for x, y in zip(b, ref):
+        assert torch.equal(x, y)
+    assert q.calls == 3
+
+
+def test_shutdown_runs_what_is_queued_and_a_later_submit_starts_afresh() -> None:
+    q = K.AdamQueue()
+    q.set_test_hook(0.01, 0)
+    t = state(128, 4)
+    jobs = [q.submit(calls_over(t, 1)) for _ in range(5)]
+    q.shutdown()
+    assert all(j.done() for j in jobs)
+    q.submit(calls_over(t, 1)).wait()  # a new thread (and no test hook)
+
+
+def test_a_handle_dropped_early_keeps_its_tensors_until_the_job_ran() -> None:
+    """The C++ job holds raw pointers: the handle owns the tensors, and dropping it waits."""
+    q = K.AdamQueue()
+    q.set_test_hook(0.05, 0)
+    p, g, m, v = state(4096, 5)
+    ref = [t.clone() for t in (p, g, m, v)]
+    K.adam_step_(*ref, **dict(HYPER, step=1))
+    keep = p  # the caller's own reference to the result
+    job = q.submit([((p, g, m, v), dict(HYPER, step=1))])
+    del g, m, v
+    t0 = time.perf_counter()
+    del job
+    gc.collect()
+    assert time.perf_counter() - t0 >= 0.04  # the drop waited for the (slowed) job
+    assert torch.equal(keep, ref[0])
+
+
+def test_the_queue_runs_while_python_holds_the_gil() -> None:
+    """A Python worker thread would wait for the interpreter's switch interval (here 5 s) before
+    it could start; the C++ thread finishes while this thread spins in Python."""
+    q = K.AdamQueue()
+    t = state(1 << 16, 6)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        job = q.submit(calls_over(t, 3))
+        t0 = time.perf_counter()
+        while not job.done() and time.perf_counter() - t0 < 2.0:
+            pass
+        took = time.perf_counter() - t0
+    finally:
+        sys.setswitchinterval(old)
+    job.wait()
+    assert took < 1.0, f"the queued job took {took:.3f} s while Python held the GIL"
+
+
+def test_a_job_the_kernel_cannot_run_runs_at_once() -> None:
+    """A float64 parameter: the torch-ops path, in the caller's thread, same results as the
+    kernel function; its errors still come from wait()."""
+    q = K.AdamQueue()
+    p, g, m, v = (t.double() for t in state(100, 7))
+    ref = [t.clone() for t in (p, g, m, v)]
+    job = q.submit([((p, g, m, v), dict(HYPER, step=1))])
+    assert job.done()
+    job.wait()
+    K.adam_step_(*ref, **dict(HYPER, step=1))
+    assert torch.equal(p, ref[0])
+    bad = q.submit([((p, g, m, v), dict(HYPER, step=0))])
+    with pytest.raises(ValueError, match="step"):
+        bad.wait()
