@@ -4,6 +4,8 @@
 #include <exception>
 #include <stdexcept>
 
+#include <unistd.h>
+
 namespace hetero {
 
 struct AdamJobState {
@@ -24,11 +26,12 @@ void AdamJob::wait() const {
   if (s_->error) std::rethrow_exception(s_->error);
 }
 
-AdamQueue::AdamQueue() : thread_([this] { loop(); }) {}
+AdamQueue::AdamQueue() : owner_(getpid()), thread_(std::make_unique<std::thread>([this] { loop(); })) {}
 
 AdamQueue::~AdamQueue() { shutdown(); }
 
 AdamJob AdamQueue::submit(std::vector<AdamCall> calls) {
+  if (getpid() != owner_) throw std::runtime_error("this Adam queue belongs to the parent process");
   auto s = std::make_shared<AdamJobState>();
   s->calls = std::move(calls);
   {
@@ -41,12 +44,18 @@ AdamJob AdamQueue::submit(std::vector<AdamCall> calls) {
 }
 
 void AdamQueue::shutdown() {
+  if (!thread_) return;
+  if (getpid() != owner_) {  // a forked child: joining a thread that is not here is undefined
+    (void)thread_.release();  // NOLINT(bugprone-unused-return-value): leaked on purpose
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
   cv_.notify_one();
-  if (thread_.joinable()) thread_.join();
+  thread_->join();
+  thread_.reset();
 }
 
 void AdamQueue::set_test_hook(double delay_s, int64_t fail_call) {

@@ -15,7 +15,9 @@
 //  - AdamJob::done() never blocks. wait() blocks until the job ran (call it without the GIL) and
 //    throws what the job threw, at every wait. A job after a failed one still runs.
 //  - shutdown() lets the queued jobs run, then joins the thread; submit() after it throws
-//    std::runtime_error. The destructor shuts down.
+//    std::runtime_error. The destructor shuts down. In a child forked from the process that made
+//    the queue the thread does not exist (and its lock may be held forever): there shutdown() and
+//    the destructor leave both alone, and submit() throws.
 //  - set_test_hook(delay_s, fail_call), tests only: from now on every call first sleeps delay_s,
 //    and the fail_call-th call (1-based, counted from this setting; 0: none) throws
 //    std::runtime_error("injected kernel failure") instead of running. calls() counts the calls
@@ -30,6 +32,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include <sys/types.h>
 
 #include "cpu_adam.h"
 
@@ -72,7 +76,8 @@ class AdamQueue {
   std::atomic<int64_t> calls_{0};
   std::atomic<int64_t> delay_us_{0};
   std::atomic<int64_t> fail_at_{0};  // calls_ value whose call fails (0: none)
-  std::thread thread_;
+  pid_t owner_;                      // the process whose thread this is (see fork above)
+  std::unique_ptr<std::thread> thread_;
 };
 
 }  // namespace hetero

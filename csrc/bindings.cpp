@@ -16,7 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hetero native runtime: swap-file I/O engine of the NVMe tier, fused CPU Adam";
   // hetero/native.py refuses a build whose INTERFACE differs from its own: raise both together
   // whenever a binding changes incompatibly.
-  m.attr("INTERFACE") = 1;
+  m.attr("INTERFACE") = 2;
   m.attr("DIRECT_ALIGNMENT") = hetero::kDirectAlignment;
 
   py::register_local_exception_translator([](std::exception_ptr p) {

@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Optional
 
-INTERFACE = 1
+INTERFACE = 2
 
 _C: Optional[ModuleType]
 ERROR: Optional[str]  # why _C is None (None when it imported)

@@ -17,7 +17,7 @@ Two views of every block are kept apart:
   completed and device memory in use never exceeds the device budget.
   Compute waits only in :meth:`acquire`, for the blocks it asked for; that wait is the stall time.
   Host-side work on blocks can be an op too (:meth:`defer`: the optimizer's CPU step of a chunk,
-  on the optimizer's C++ queue), so it runs off the training thread while the next forward goes
+  on :class:`hetero.optim.queue.AdamQueue`), so it runs off the training thread while the next forward goes
   on, and whatever touches those blocks next waits for it through the same conflict rules.
 
 Invariants kept at every instant:
@@ -42,6 +42,7 @@ is recorded in the tracker's event log, which the simulator replays.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import logging
 import math
@@ -56,7 +57,7 @@ from .policies import BlockInfo, Policy
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SlotPool, SwapSpace, Tier, TierStorage,
                     is_small, slot_cost, slot_size_for, slots_for)
 from .tracker import Tracker
-from .transfers import Deferred, InFlight, Op, regions
+from .transfers import Deferred, InFlight, Job, Op, regions
 from .victims import Victims
 
 log = logging.getLogger(__name__)
@@ -352,13 +353,19 @@ class Runtime:
         except HeteroIOError as exc:
             log.warning("hetero: a transfer failed while closing: %s", exc)
         finally:
+            for op in list(self._ops):  # deferred work left by a failure: let it end first
+                if op.compute:
+                    try:
+                        op.handle.wait()
+                    except Exception:  # noqa: BLE001 - reported by the wait that failed
+                        pass
             self.storage.close()
 
     def defer(self, tier: str, reads: Sequence[Block], writes: Sequence[Block],
-              start: Callable[[], Any]) -> None:
+              start: Callable[[], Job]) -> None:
         """Start work that reads ``reads`` and writes ``writes`` on ``tier`` (host) off this
-        thread (``start()`` submits it and returns its job: ``done()``, ``wait()``, see
-        :class:`hetero.optim.kernel.Job`), and return at once. The caller holds all of them
+        thread (``start()`` submits it and returns its :class:`~hetero.transfers.Job`), and
+        return at once. The caller holds all of them
         acquired on ``tier`` (so they are there, with no transfer pending) and may release them
         right away: each gets a compute op that every later transfer, acquire, eviction or slot
         reuse of the block waits for, like any op. Not recorded in the event log: it changes no
@@ -393,8 +400,9 @@ class Runtime:
         the work's own acquires are in the log)."""
         assert chunk_id not in self._postponed, f"runtime bug: {chunk_id} postponed twice"
         self.tracker.event("postpone", chunk_id, first)
-        if first:
+        if first:  # (work that failed keeps its place in the order; a replay ran it: a new one)
             self._postponed = {chunk_id: (run, needs), **self._postponed}
+            self._postponed_at.setdefault(chunk_id, next(self._postpone_seq))
         else:
             self._postponed[chunk_id] = (run, needs)
             self._postponed_at[chunk_id] = next(self._postpone_seq)
@@ -429,18 +437,16 @@ class Runtime:
         it was postponed (the optimizer's: the forward's), after the work that ran last. Work
         older than that was passed by (a routed expert the forward skipped): it runs at the next
         step's catch-up, or at its chunk's next touch."""
-        return list(itertools.islice((c for c in self._postponed if self._postponed_at.get(c, -1) > self._last_at),
-                                     max(1, 2 * self.prefetch_depth)))
+        at = self._postponed_at
+        later = (c for c in self._postponed if at[c] > self._last_at)
+        return heapq.nsmallest(max(1, 2 * self.prefetch_depth), later, key=at.__getitem__)
 
     def hint_postponed(self) -> None:
         """Start fetching what the work up next needs (:meth:`_up_next`), else what the oldest
         work needs."""
-        by_tier: dict[str, list[Block]] = {}
-        for cid in self._up_next() or list(itertools.islice(self._postponed, 1)):
-            blocks, tier = self._postponed[cid][1]()
-            by_tier.setdefault(tier, []).extend(blocks)
-        for tier, blocks in by_tier.items():
-            self.hint(blocks, tier)
+        if self._postponed:
+            nxt = self._up_next() or [min(self._postponed, key=self._postponed_at.__getitem__)]
+            self.hint([self._postponed[cid][1]() for cid in nxt])
 
     # ------------------------------------------------------------------ transactions
 
@@ -477,24 +483,28 @@ class Runtime:
         txn, self._txn = self._txn, None
         self._rollback(txn)
 
-    def hint(self, blocks: Sequence[Block], tier: str) -> None:
-        """Start bringing ``blocks`` to ``tier`` because the caller knows they are needed there
-        next (the optimizer's next chunk), whatever the policy predicts: a recorded step the
-        current one does not follow (the chunks that must move differ from step to step, routed
-        experts) predicts nothing. Transfers are issued, not waited for; room is made only by
-        evicting blocks the policy expects later than ``len(blocks)`` accesses ahead. Does
-        nothing while prefetch is off; recorded in the event log."""
-        self.tracker.event("hint", tuple(b.id for b in blocks), tier)
+    def hint(self, groups: Sequence[tuple[Sequence[Block], str]]) -> None:
+        """Start bringing each group's blocks to its tier, in order, because the caller knows
+        they are needed there next (the optimizer's next chunks), whatever the policy predicts:
+        a recorded step the current one does not follow (the chunks that must move differ from
+        step to step, routed experts) predicts nothing. Transfers are issued, not waited for;
+        room is made only by evicting blocks the policy expects later than the hinted blocks up
+        to and including the group's (in accesses), never one of the hinted blocks. Does nothing
+        while prefetch is off; recorded in the event log."""
+        self.tracker.event("hint", tuple((tuple(b.id for b in blocks), tier) for blocks, tier in groups))
         if not self.prefetching or self.prefetch_depth <= 0:
             return
-        wanted = set(blocks) - self._protected  # none of them is evicted to make room for another
+        wanted = {b for blocks, _ in groups for b in blocks} - self._protected
         self._protected |= wanted
         try:
-            for block in blocks:
-                if not self._fetchable(block, tier):
-                    continue
-                if not self._prefetch_one(block, tier, len(blocks)):
-                    return
+            ahead = 0
+            for blocks, tier in groups:
+                ahead += len(blocks)
+                for block in blocks:
+                    if not self._fetchable(block, tier):
+                        continue
+                    if not self._prefetch_one(block, tier, ahead):
+                        return
         finally:
             self._protected -= wanted
 
@@ -669,7 +679,9 @@ class Runtime:
             if block is None or tier == NVME:
                 continue
             creating = not block.tiers  # made anew where it is used (a gradient zero_grad freed)
-            if (tier != DEVICE) if creating else not self._fetchable(block, tier):
+            if creating and tier != DEVICE:
+                continue
+            if not creating and not self._fetchable(block, tier):
                 continue
             if near is None:
                 near = len(self.policy.upcoming(self.prefetch_depth))
@@ -1154,7 +1166,7 @@ class Runtime:
     def _pump(self, finish: bool = True) -> None:
         """Retire finished transfers (unless ``finish`` is False: then no error can surface here)
         and start those whose conflicts are gone; never blocks."""
-        deferred_busy = False  # deferred work runs in order: once one is busy, so is the rest
+        deferred_busy = False  # deferred work mostly runs in order: once one is busy, skip the rest
         for op in self._ops:
             if op.state == "running":
                 if not finish or (op.compute and deferred_busy):

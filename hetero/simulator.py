@@ -198,7 +198,7 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
             elif op == "prefetching":
                 rt.set_prefetching(args[0])
             elif op == "hint":
-                rt.hint([get(i) for i in args[0]], args[1])
+                rt.hint([([get(i) for i in ids], tier) for ids, tier in args[0]])
             elif op == "settle":
                 rt.settle([get(i) for i in args[0]])
             elif op == "protect":

@@ -12,7 +12,7 @@ deferred chunk updates, write-backs, prefetches).
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 
@@ -82,14 +82,23 @@ class Op:
         return f"<Op #{self.seq} {self.block.id} {what} {self.state}>"
 
 
+class Job(Protocol):
+    """The handle of host work started off the caller's thread (:meth:`Runtime.defer
+    <hetero.runtime.Runtime.defer>`): ``done()`` never blocks; ``wait()`` blocks until the work
+    ran and raises what it raised."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
 class Deferred:
-    """The handle of deferred host work (a job with ``done()`` and ``wait()``, see
-    :class:`hetero.optim.kernel.Job`), shared by its blocks' ops: what the work raised is raised
-    by the first wait only."""
+    """The handle of deferred host work (a :class:`Job`), shared by its blocks' ops: what the
+    work raised is raised by the first wait only."""
 
     __slots__ = ("_job", "_reported")
 
-    def __init__(self, job: Any) -> None:
+    def __init__(self, job: Job) -> None:
         self._job = job
         self._reported = False
 

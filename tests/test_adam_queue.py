@@ -1,17 +1,21 @@
-"""The optimizer's queue of deferred host updates (csrc/adam_queue.h via hetero.optim.kernel.AdamQueue):
+"""The optimizer's queue of deferred host updates (csrc/adam_queue.h via hetero.optim.queue.AdamQueue):
 the same bits as calling the kernel, in order, errors at every wait, arguments checked at submit,
-tensors kept alive by the handle, and a thread that never needs the GIL."""
+tensors kept alive by the handle, a thread that never needs the GIL, and a forked child."""
 
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import sys
 import time
+import weakref
 
 import pytest
 import torch
 
 from hetero.optim import kernel as K
+from hetero.optim.queue import AdamQueue
 
 pytestmark = pytest.mark.skipif(not K.has_kernel(), reason="hetero._C built without the CPU Adam kernel")
 
@@ -32,12 +36,13 @@ def calls_over(tensors, steps: int, **extra):
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_queued_jobs_equal_the_kernel_in_order(grad_dtype) -> None:
     """Jobs over the same tensors run in submission order, each as adam_step_ would."""
-    q = K.AdamQueue()
+    q = AdamQueue()
     mine, ref = state(70001, 0, grad_dtype), state(70001, 0, grad_dtype)
     out = torch.empty(70001, dtype=torch.bfloat16) if grad_dtype != torch.float32 else None
     ref_out = None if out is None else out.clone()
-    jobs = [q.submit(calls_over(mine, 2, grad_scale=0.5, param_out=out, sqrt=sqrt)) for sqrt in ("torch", "ieee", "torch")]
-    for sqrt in ("torch", "ieee", "torch"):
+    sqrts = ("torch", "ieee", "torch")
+    jobs = [q.submit(calls_over(mine, 2, grad_scale=0.5, param_out=out, sqrt=sqrt)) for sqrt in sqrts]
+    for sqrt in sqrts:
         for args, kw in calls_over(ref, 2, grad_scale=0.5, param_out=ref_out, sqrt=sqrt):
             K.adam_step_(*args, **kw)
     for job in jobs:
@@ -51,7 +56,7 @@ def test_queued_jobs_equal_the_kernel_in_order(grad_dtype) -> None:
 
 
 def test_bad_arguments_raise_at_submit_and_queue_nothing() -> None:
-    q = K.AdamQueue()
+    q = AdamQueue()
     p, g, m, v = state(64, 1)
     before = p.clone()
     with pytest.raises(ValueError, match="step"):
@@ -66,8 +71,8 @@ def test_bad_arguments_raise_at_submit_and_queue_nothing() -> None:
 
 
 def test_a_failed_job_raises_at_every_wait_and_later_jobs_still_run() -> None:
-    q = K.AdamQueue()
-    q.set_test_hook(0.0, fail_call=2)
+    q = AdamQueue()
+    q._set_test_hook(0.0, fail_call=2)
     a, b = state(256, 2), state(256, 3)
     b_before = [t.clone() for t in b]
     first = q.submit(calls_over(a, 1))
@@ -86,36 +91,40 @@ def test_a_failed_job_raises_at_every_wait_and_later_jobs_still_run() -> None:
 
 
 def test_shutdown_runs_what_is_queued_and_a_later_submit_starts_afresh() -> None:
-    q = K.AdamQueue()
-    q.set_test_hook(0.01, 0)
+    q = AdamQueue()
+    q._set_test_hook(0.01, 0)
     t = state(128, 4)
     jobs = [q.submit(calls_over(t, 1)) for _ in range(5)]
     q.shutdown()
     assert all(j.done() for j in jobs)
-    q.submit(calls_over(t, 1)).wait()  # a new thread (and no test hook)
+    q.submit(calls_over(t, 1)).wait()  # a new thread, without the old one's test hook
+    assert q.calls == 1
 
 
 def test_a_handle_dropped_early_keeps_its_tensors_until_the_job_ran() -> None:
     """The C++ job holds raw pointers: the handle owns the tensors, and dropping it waits."""
-    q = K.AdamQueue()
-    q.set_test_hook(0.05, 0)
+    q = AdamQueue()
+    q._set_test_hook(0.05, 0)
     p, g, m, v = state(4096, 5)
     ref = [t.clone() for t in (p, g, m, v)]
     K.adam_step_(*ref, **dict(HYPER, step=1))
-    keep = p  # the caller's own reference to the result
+    gone = weakref.ref(g)
+    t0 = time.perf_counter()
     job = q.submit([((p, g, m, v), dict(HYPER, step=1))])
     del g, m, v
-    t0 = time.perf_counter()
+    gc.collect()
+    assert gone() is not None  # the handle holds the gradient the job reads
     del job
     gc.collect()
-    assert time.perf_counter() - t0 >= 0.04  # the drop waited for the (slowed) job
-    assert torch.equal(keep, ref[0])
+    assert time.perf_counter() - t0 >= 0.05  # the drop waited for the (slowed) job
+    assert gone() is None
+    assert torch.equal(p, ref[0])
 
 
 def test_the_queue_runs_while_python_holds_the_gil() -> None:
     """A Python worker thread would wait for the interpreter's switch interval (here 5 s) before
     it could start; the C++ thread finishes while this thread spins in Python."""
-    q = K.AdamQueue()
+    q = AdamQueue()
     t = state(1 << 16, 6)
     old = sys.getswitchinterval()
     sys.setswitchinterval(5.0)
@@ -133,8 +142,8 @@ def test_the_queue_runs_while_python_holds_the_gil() -> None:
 
 def test_a_job_the_kernel_cannot_run_runs_at_once() -> None:
     """A float64 parameter: the torch-ops path, in the caller's thread, same results as the
-    kernel function; its errors still come from wait()."""
-    q = K.AdamQueue()
+    kernel function; its errors raise at submit, like a queued job's argument errors."""
+    q = AdamQueue()
     p, g, m, v = (t.double() for t in state(100, 7))
     ref = [t.clone() for t in (p, g, m, v)]
     job = q.submit([((p, g, m, v), dict(HYPER, step=1))])
@@ -142,6 +151,31 @@ def test_a_job_the_kernel_cannot_run_runs_at_once() -> None:
     job.wait()
     K.adam_step_(*ref, **dict(HYPER, step=1))
     assert torch.equal(p, ref[0])
-    bad = q.submit([((p, g, m, v), dict(HYPER, step=0))])
     with pytest.raises(ValueError, match="step"):
-        bad.wait()
+        q.submit([((p, g, m, v), dict(HYPER, step=0))])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
+def test_a_forked_child_gets_a_queue_of_its_own() -> None:
+    """A child forked while a job is queued (a DataLoader worker, say) does not inherit the
+    queue's thread: its next submit starts one, and the inherited job raises instead of hanging."""
+    q = AdamQueue()
+    q._set_test_hook(0.5, 0)
+    t = state(256, 8)
+    queued = q.submit(calls_over(t, 1))
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only (a hang: killed by the alarm)
+        signal.alarm(20)
+        code = 1
+        try:
+            try:
+                queued.wait()
+            except RuntimeError:
+                mine = state(256, 9)
+                q.submit(calls_over(mine, 1)).wait()
+                code = 0 if q.calls == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    queued.wait()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -374,6 +374,11 @@ def test_postponed_work_runs_once_at_the_first_touch_and_hints_the_next_in_order
     rt.catch_up()
     assert ran == ["a", "c", "b", "a"] and not rt._postponed
     assert [e[1] for e in rt.tracker.events if e[0] == "catch_up"] == [("a",), ("b",), ("c",), ("b",), ("a",)]
+    # The log replays, b's failure and its re-postponing included (found in review: KeyError)
+    from hetero.simulator import replay
+
+    sim = replay(rt.tracker.events, {b.id: (b.kind, b.nbytes) for b in blocks.values()}, LRU(), caps, 4096)
+    assert sim.device_fetch_bytes == rt.tracker.traffic["host->device"]
 
 
 def test_prefetch_makes_device_room_ahead_for_a_block_the_next_acquire_creates() -> None:
@@ -386,7 +391,8 @@ def test_prefetch_makes_device_room_ahead_for_a_block_the_next_acquire_creates()
 
     caps = {"device": 2 * 4096, "host": 1 << 20}
     rt = Runtime(caps, 4096, Opt(), SimStorage(caps, 4096), prefetch=2)
-    a, b, grad = (SimBlock(i, k, 4096) for i, k in (("a.param", "param"), ("b.param", "param"), ("b.grad", "grad")))
+    a, b = SimBlock("a.param", "param", 4096), SimBlock("b.param", "param", 4096)
+    grad = SimBlock("b.grad", "grad", 4096)
     for block in (a, b):
         rt.create(block, tier="host")
 
@@ -405,3 +411,43 @@ def test_prefetch_makes_device_room_ahead_for_a_block_the_next_acquire_creates()
     use(b, "device")  # the gradient is created next: a (needed only in the next step) goes now
     assert "device" not in a.tiers and rt.tiers["device"].free >= grad.nbytes
     use(grad, "device", write=True)
+
+
+def test_hints_go_to_the_postponed_work_up_next_in_postponed_order() -> None:
+    """While one piece of postponed work runs, the hint covers the next ``2 * prefetch`` pieces
+    postponed after it, in that order, whatever failures put in front of the queue (found in
+    review: work re-postponed after failing was hinted before work the forward reaches first)."""
+    from hetero.runtime import Runtime
+    from hetero.simulator import SimBlock, SimStorage
+
+    caps = {"device": 1 << 20, "host": 1 << 20}
+    rt = Runtime(caps, 4096, LRU(), SimStorage(caps, 4096), prefetch=1)
+    blocks = {c: SimBlock(f"{c}.param", "param", 4096) for c in "abcdef"}
+    for b in blocks.values():
+        rt.create(b, tier="host")
+    asked: list[str] = []  # whose needs were asked for (postpone asks too)
+    failing = {"c", "d"}
+
+    def work(c: str):
+        def run() -> None:
+            if c in failing:
+                failing.discard(c)
+                raise OSError("injected")
+            rt.hint_postponed()
+        return run
+
+    def needs(c: str):
+        return lambda: (asked.append(c), ([blocks[c]], "host"))[1]
+
+    for c in "abcdef":
+        rt.postpone(c, work(c), needs(c))
+    for c in "cd":
+        with pytest.raises(OSError):
+            rt.catch_up({c})
+    assert list(rt._postponed)[:2] == ["d", "c"]  # the failed work waits in front
+    n = len(asked)
+    rt.catch_up({"a"})
+    assert asked[n:] == ["b", "c"]  # window 2, in postponed order: b first
+    n = len(asked)
+    rt.catch_up({"d"})
+    assert asked[n:] == ["e", "f"]  # past d: c was passed by

@@ -666,7 +666,7 @@ def test_a_hint_never_gives_up_a_transaction_shadow(rig) -> None:
     rt.data(a, DEVICE).fill_(2.0)
     rt.release([a], DEVICE)
     assert a in rt._txn.shadows and rt._txn.complete
-    rt.hint([x], DEVICE)
+    rt.hint([([x], DEVICE)])
     complete = rt._txn.complete
     rt.rollback()
     rt.release([h], HOST)
@@ -683,7 +683,7 @@ def test_a_hint_that_finds_no_room_is_dropped(rig) -> None:
     rt.create(h, tier=HOST)
     rt.create(x, tier=HOST)
     rt.acquire([h], HOST)
-    rt.hint([x], DEVICE)
+    rt.hint([([x], DEVICE)])
     assert x.tiers == {HOST} and d.tiers == {DEVICE}
     rt.release([h], HOST)
 

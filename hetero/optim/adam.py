@@ -8,14 +8,14 @@ slot). The math is torch's single-tensor Adam, op for op, so results match ``tor
 ``AdamW`` to float32 rounding; ``state_dict()`` is torch's format and loads into either.
 
 Without an NVMe tier, a chunk stepped on the host is *deferred* (:meth:`Runtime.defer`):
-``step()`` returns once every chunk's update is queued (on :class:`~hetero.optim.kernel.AdamQueue`,
-a C++ thread free of the GIL), and the next forward waits only for the chunks it is about to use.
+``step()`` returns once every chunk's update is queued (:class:`~hetero.optim.queue.AdamQueue`: a
+C++ thread, free of the GIL), and the next forward waits only for the chunks it is about to use.
 Chunks are queued in the order the forward uses them, so on a GPU the CPU updates the later chunks
 while the GPU runs the first layers. The results are the same bits as a synchronous step. With
 NVMe, a chunk whose state must move is *postponed* (:meth:`Runtime.postpone`): its update, NVMe
 reads and writes included, runs when the next forward reaches the chunk, so the disk works while
-the forward computes; a failure there rolls the update forward, not back (:meth:`Adam.step`). ``HETERO_DEFER_STEP=0`` turns both off:
-the step is then synchronous, and with NVMe all or nothing.
+the forward computes; a failure there rolls the update forward, not back (:meth:`Adam.step`).
+``HETERO_DEFER_STEP=0`` turns both off: the step is then synchronous, and with NVMe all or nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, Par
 from ..config import format_size
 from ..errors import HeteroConfigError, HeteroOOMError
 from ..tiers import DEVICE, HOST, NVME
-from .kernel import AdamQueue, adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
+from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
+from .queue import AdamQueue
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class Adam(torch.optim.Optimizer):
         step does not (which chunks must move changes from step to step)."""
         if not _has_states(chunk):
             return  # its first step: the states are created where they start, not fetched
-        self._state.runtime.hint(*self._needs(chunk))
+        self._state.runtime.hint([self._needs(chunk)])
 
     def _hinting_next(self, work: list["_Update"]) -> Iterator[tuple["_Update", Optional[Callable[[], None]]]]:
         """Each update with what starts fetching for the one after it (None for the last)."""
@@ -386,8 +387,9 @@ class Adam(torch.optim.Optimizer):
             if deferring:
                 rt.defer(tier, [grad], writes, functools.partial(self._queue.submit, calls))
             else:
-                for args, kwargs in calls:
-                    adam_step_(*args, **kwargs)
+                with torch.no_grad():
+                    for args, kwargs in calls:
+                        adam_step_(*args, **kwargs)
             for s in update.slots:
                 s.step += 1
         finally:
