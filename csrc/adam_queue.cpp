@@ -26,7 +26,10 @@ void AdamJob::wait() const {
   if (s_->error) std::rethrow_exception(s_->error);
 }
 
-AdamQueue::AdamQueue() : owner_(getpid()), thread_(std::make_unique<std::thread>([this] { loop(); })) {}
+AdamQueue::AdamQueue()
+    : sh_(std::make_unique<Shared>()),
+      owner_(getpid()),
+      thread_(std::make_unique<std::thread>([this] { loop(); })) {}
 
 AdamQueue::~AdamQueue() { shutdown(); }
 
@@ -35,25 +38,26 @@ AdamJob AdamQueue::submit(std::vector<AdamCall> calls) {
   auto s = std::make_shared<AdamJobState>();
   s->calls = std::move(calls);
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) throw std::runtime_error("the Adam queue is shut down");
-    queue_.push_back(s);
+    std::lock_guard<std::mutex> lock(sh_->mu);
+    if (sh_->stopping) throw std::runtime_error("the Adam queue is shut down");
+    sh_->queue.push_back(s);
   }
-  cv_.notify_one();
+  sh_->cv.notify_one();
   return AdamJob(std::move(s));
 }
 
 void AdamQueue::shutdown() {
   if (!thread_) return;
-  if (getpid() != owner_) {  // a forked child: joining a thread that is not here is undefined
-    (void)thread_.release();  // NOLINT(bugprone-unused-return-value): leaked on purpose
+  if (getpid() != owner_) {  // a forked child: see the header; leaked on purpose
+    (void)thread_.release();  // joining a thread that is not here is undefined
+    (void)sh_.release();      // a waiter the child cannot see would block the cv's destructor
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(sh_->mu);
+    sh_->stopping = true;
   }
-  cv_.notify_one();
+  sh_->cv.notify_one();
   thread_->join();
   thread_.reset();
 }
@@ -75,11 +79,11 @@ void AdamQueue::loop() {
   for (;;) {
     std::shared_ptr<AdamJobState> s;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything queued ran
-      s = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock<std::mutex> lock(sh_->mu);
+      sh_->cv.wait(lock, [&] { return sh_->stopping || !sh_->queue.empty(); });
+      if (sh_->queue.empty()) return;  // stopping, and everything queued ran
+      s = std::move(sh_->queue.front());
+      sh_->queue.pop_front();
     }
     try {
       for (const AdamCall& c : s->calls) run_call(c);

@@ -10,14 +10,15 @@
 //  - submit(calls) queues one job: adam_step calls prepared by prepare_adam_step (cpu_adam.h), so
 //    their arguments were checked at submit. Jobs run one at a time, in order, on the queue's
 //    thread. A prepared call holds raw pointers: the caller keeps its tensors alive, and leaves
-//    them alone, until the job is done (hetero.optim.kernel.AdamQueue does; the runtime's compute
+//    them alone, until the job is done (hetero.optim.queue.AdamQueue does; the runtime's compute
 //    ops keep everything else off them).
 //  - AdamJob::done() never blocks. wait() blocks until the job ran (call it without the GIL) and
 //    throws what the job threw, at every wait. A job after a failed one still runs.
 //  - shutdown() lets the queued jobs run, then joins the thread; submit() after it throws
 //    std::runtime_error. The destructor shuts down. In a child forked from the process that made
-//    the queue the thread does not exist (and its lock may be held forever): there shutdown() and
-//    the destructor leave both alone, and submit() throws.
+//    the queue the thread does not exist, and its lock and condition variable may show a holder
+//    or a waiter forever (destroying them could block): there shutdown() and the destructor leak
+//    the thread and those (a few hundred bytes), and submit() throws.
 //  - set_test_hook(delay_s, fail_call), tests only: from now on every call first sleeps delay_s,
 //    and the fail_call-th call (1-based, counted from this setting; 0: none) throws
 //    std::runtime_error("injected kernel failure") instead of running. calls() counts the calls
@@ -69,10 +70,13 @@ class AdamQueue {
   void loop();
   void run_call(const AdamCall& call);
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<AdamJobState>> queue_;  // guarded by mu_
-  bool stopping_ = false;                            // guarded by mu_
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::shared_ptr<AdamJobState>> queue;  // guarded by mu
+    bool stopping = false;                            // guarded by mu
+  };
+  std::unique_ptr<Shared> sh_;  // leaked in a forked child (see fork above)
   std::atomic<int64_t> calls_{0};
   std::atomic<int64_t> delay_us_{0};
   std::atomic<int64_t> fail_at_{0};  // calls_ value whose call fails (0: none)

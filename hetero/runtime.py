@@ -17,8 +17,9 @@ Two views of every block are kept apart:
   completed and device memory in use never exceeds the device budget.
   Compute waits only in :meth:`acquire`, for the blocks it asked for; that wait is the stall time.
   Host-side work on blocks can be an op too (:meth:`defer`: the optimizer's CPU step of a chunk,
-  on :class:`hetero.optim.queue.AdamQueue`), so it runs off the training thread while the next forward goes
-  on, and whatever touches those blocks next waits for it through the same conflict rules.
+  on :class:`hetero.optim.queue.AdamQueue`), so it runs off the training thread while the next
+  forward goes on, and whatever touches those blocks next waits for it through the same conflict
+  rules.
 
 Invariants kept at every instant:
 
@@ -365,12 +366,11 @@ class Runtime:
               start: Callable[[], Job]) -> None:
         """Start work that reads ``reads`` and writes ``writes`` on ``tier`` (host) off this
         thread (``start()`` submits it and returns its :class:`~hetero.transfers.Job`), and
-        return at once. The caller holds all of them
-        acquired on ``tier`` (so they are there, with no transfer pending) and may release them
-        right away: each gets a compute op that every later transfer, acquire, eviction or slot
-        reuse of the block waits for, like any op. Not recorded in the event log: it changes no
-        placement, only when the bytes are ready. An exception of the work surfaces from the
-        runtime call that waits for it."""
+        return at once. The caller holds all of them acquired on ``tier`` (so they are there,
+        with no transfer pending) and may release them right away: each gets a compute op that
+        every later transfer, acquire, eviction or slot reuse of the block waits for, like any
+        op. Not recorded in the event log: it changes no placement, only when the bytes are
+        ready. An exception of the work surfaces from the runtime call that waits for it."""
         assert tier == HOST, "deferred work runs on host copies"
         blocks = list(reads) + [b for b in writes if b not in reads]
         for b in blocks:
@@ -667,8 +667,8 @@ class Runtime:
         memory. A prefetch only evicts blocks the policy expects later than the block it brings.
         A block the next acquires create on the device gets its room made the same way (and kept
         from the fetches after it), so its creation waits for no write-back. Transfers are
-        issued and not waited for. Nothing to do while every copy is on the device
-        (a model within its device budget): the tiers below hold nothing then."""
+        issued and not waited for. Nothing to do while every copy is on the device (a model
+        within its device budget): the tiers below hold nothing then."""
         if self.prefetch_depth <= 0 or not any(self.tiers[t].used for t in self._below[DEVICE]):
             return
         ahead = self.policy.upcoming(2 * self.prefetch_depth)

@@ -155,27 +155,48 @@ def test_a_job_the_kernel_cannot_run_runs_at_once() -> None:
         q.submit([((p, g, m, v), dict(HYPER, step=0))])
 
 
+def child_status(pid: int, timeout: float = 20.0) -> int:
+    """The forked child's exit status; a child still running after ``timeout`` (hung) is killed."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    return os.waitpid(pid, 0)[1]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
-def test_a_forked_child_gets_a_queue_of_its_own() -> None:
-    """A child forked while a job is queued (a DataLoader worker, say) does not inherit the
-    queue's thread: its next submit starts one, and the inherited job raises instead of hanging."""
+@pytest.mark.parametrize("busy", [True, False], ids=["job_queued", "idle"])
+def test_a_forked_child_gets_a_queue_of_its_own(busy) -> None:
+    """A child forked from a process with a queue (a DataLoader worker, say) does not inherit
+    the queue's thread: its next submit starts one, and a job queued before the fork raises
+    instead of hanging. Forked while the thread waits for work (found in review), destroying
+    the inherited queue must not block on the thread's condition variable."""
     q = AdamQueue()
-    q._set_test_hook(0.5, 0)
     t = state(256, 8)
-    queued = q.submit(calls_over(t, 1))
+    if busy:
+        q._set_test_hook(0.5, 0)
+        queued = q.submit(calls_over(t, 1))
+    else:
+        q.submit(calls_over(t, 1)).wait()
+        time.sleep(0.05)  # the thread is back to waiting for work
     pid = os.fork()
-    if pid == 0:  # the child: report through the exit status only (a hang: killed by the alarm)
-        signal.alarm(20)
+    if pid == 0:  # the child: report through the exit status only
         code = 1
         try:
-            try:
-                queued.wait()
-            except RuntimeError:
-                mine = state(256, 9)
-                q.submit(calls_over(mine, 1)).wait()
-                code = 0 if q.calls == 1 else 2
+            if busy:
+                try:
+                    queued.wait()
+                except RuntimeError:
+                    code = 3
+            mine = state(256, 9)
+            q.submit(calls_over(mine, 1)).wait()
+            code = 0 if q.calls == 1 and code == (3 if busy else 1) else 2
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    queued.wait()
+    status = child_status(pid)
+    if busy:
+        queued.wait()
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

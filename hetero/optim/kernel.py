@@ -168,4 +168,3 @@ def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *, scal
         raise RuntimeError(_unavailable("streaming kernel"))
     return int(_ext.stream_update(read, update, scale=float(scale), isa=isa or "",
                                   threads=torch.get_num_threads() if threads is None else int(threads)))
-
