@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "sim_device_bytes": sim.device_fetch_bytes, "sim_misses": sim.misses,
                              "real_device_bytes": d["traffic"]["host->device"], "real_coresident_bytes": own,
                              "real_nvme_bytes": d["traffic"]["nvme->host"] + d["traffic"]["host->nvme"],
-                             "stall_seconds": d["stall_seconds"], "prefetch_hits": d["prefetch"]["hits"]}.items():
+                             "stall_seconds": d["stall_seconds"],
+                             "stall_optimizer_seconds": d["stall_seconds_optimizer"],
+                             "prefetch_hits": d["prefetch"]["hits"]}.items():
                     cell[k] += v
     for r in cells.values():
         r["ratio"] = r["sim_device_bytes"] / r["bound_bytes"] if r["bound_bytes"] else None
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 # Per-cell figures summed over the seeds (the ratios are taken of the sums).
 _SUMMED = ("bound_bytes", "coresident_bytes", "sim_device_bytes", "sim_misses", "real_device_bytes",
-           "real_coresident_bytes", "real_nvme_bytes", "stall_seconds", "prefetch_hits")
+           "real_coresident_bytes", "real_nvme_bytes", "stall_seconds", "stall_optimizer_seconds",
+           "prefetch_hits")
 
 
 def working_set(events: list[tuple], catalog: dict) -> int:

@@ -57,6 +57,8 @@ class Report:
             "policy": rt.policy.name,
             "steps": tr.step,
             "stall_seconds": tr.stall_seconds,
+            # of which waiting for deferred optimizer updates (the rest: for transfers)
+            "stall_seconds_optimizer": tr.optimizer_stall_seconds,
             "tiers": {name: t.as_dict() for name, t in rt.tiers.items()},
             "traffic": dict(tr.traffic),
             "step_traffic": [dict(t) for t in tr.step_traffic],  # the same, per step
@@ -132,7 +134,7 @@ class Report:
     def __str__(self) -> str:
         d = self._summary
         lines = [f"hetero placement report: policy={d['policy']} steps={d['steps']} "
-                 f"stall={d['stall_seconds']:.3f}s"]
+                 f"stall={d['stall_seconds']:.3f}s (optimizer {d['stall_seconds_optimizer']:.3f}s)"]
         for name in TIER_ORDER:
             if name in d["tiers"]:
                 t = d["tiers"][name]

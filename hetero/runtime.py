@@ -1156,7 +1156,8 @@ class Runtime:
                 self._wait_op(o)
         finally:
             if stall:
-                self.tracker.stall(start, self.tracker.now(), (block or ops[0].block).id)
+                self.tracker.stall(start, self.tracker.now(), (block or ops[0].block).id,
+                                   optimizer=any(o.compute for o in ops))
 
     def _wait_block(self, block: Block, stall: bool) -> None:
         ops = list(self._ops.of(block))

@@ -70,6 +70,7 @@ class Tracker:
         self.moves: list[Move] = []
         self.usage: list[tuple[float, str, int]] = []  # (time, tier, bytes used after the change)
         self.stalls: list[tuple[float, float, str]] = []  # (start, end, block) waits for data
+        self.optimizer_stall_seconds = 0.0  # the part of them spent on deferred optimizer updates
         self.traffic = {d: 0 for d in DIRECTIONS}
         self.step_traffic: list[dict[str, int]] = []  # the same, per step
         self.stats: dict[str, BlockStats] = {}
@@ -111,8 +112,12 @@ class Tracker:
     def used(self, tier: str, used: int) -> None:
         self.usage.append((self.now(), tier, used))
 
-    def stall(self, start: float, end: float, block: str) -> None:
+    def stall(self, start: float, end: float, block: str, optimizer: bool = False) -> None:
+        """Compute waited for ``block`` from ``start`` to ``end``; ``optimizer``: for a deferred
+        optimizer update of it to finish (not for a transfer)."""
         self.stalls.append((start, end, block))
+        if optimizer:
+            self.optimizer_stall_seconds += end - start
 
     @property
     def stall_seconds(self) -> float:

@@ -103,6 +103,11 @@ def test_each_parameter_fetch_waits_only_for_its_own_chunks_update(monkeypatch) 
     longest = max((end - start for start, end, _ in rt.tracker.stalls[before:]), default=0.0)
     assert queued > 5 and longest < 0.25 * queued * SLOW, (
         f"a fetch waited {longest:.3f} s; {queued} chunk updates of {SLOW} s or more were queued")
+    # The report tells those waits apart from waits for transfers: the forward right after the
+    # slowed updates waited for some of them (each at least as long as one update's delay)
+    report = model.placement_report().as_dict()
+    assert SLOW <= report["stall_seconds_optimizer"] <= report["stall_seconds"], report["stall_seconds"]
+    assert "optimizer" in str(model.placement_report())
     rt.drain()
     model.close()
 
@@ -111,6 +116,7 @@ def test_synchronous_step_when_not_deferred(monkeypatch) -> None:
     n = calls()
     assert n > 5 and took >= n * SLOW
     assert not any(op.compute for op in model._hetero_state.runtime._ops)
+    assert model.placement_report().as_dict()["stall_seconds_optimizer"] == 0.0
     model.close()
 
 
