@@ -38,6 +38,18 @@ def budgets(total: int, device: float | None, host: float | None, nvme_path: Any
     return kw
 
 
+def settling(make: Callable[[], nn.Module], device: float, nvme_path: Any,
+             policy: hetero.policies.Policy | None = None) -> dict:
+    """wrap() kwargs where Adam states settle on the device: ``device`` of ``make()``'s state
+    there, 30% on the host, swap files in ``nvme_path``, 8 KiB chunks, and ``policy``, by
+    default a fresh :class:`SettleAll` (the built-in policies settle nothing in models this
+    small)."""
+    from models import state_bytes
+
+    return dict(budgets(state_bytes(make()), device, 0.3, nvme_path), chunk_size="8KiB",
+                policy=SettleAll() if policy is None else policy)
+
+
 def loss_of(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 

@@ -337,12 +337,11 @@ def test_a_postponed_update_inside_a_forward_runs_on_the_host_where_the_device_i
     the next forward, whose enclosing units hold device memory: where the chunk's blocks do not
     fit beside what is pinned, it runs on the host instead of failing for want of room (found in
     review). (A policy that settles every state it is offered puts states on the device.)"""
-    from helpers import SettleAll, budgets
+    from helpers import settling
 
+    kw = settling(GPT, 0.5, tmp_path)
     torch.manual_seed(0)
-    total = state_bytes(GPT())
-    torch.manual_seed(0)
-    model = hetero.wrap(GPT(), **budgets(total, 0.5, 0.3, tmp_path), chunk_size="8KiB", policy=SettleAll())
+    model = hetero.wrap(GPT(), **kw)
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     for b in batches(4, seed=1):
         default_step(model, opt, b)

@@ -269,11 +269,10 @@ def test_a_failed_read_of_a_settling_state_loses_nothing(tmp_path, monkeypatch) 
     from NVMe in this configuration.) (A policy that settles every state it is offered: the built-in ones home the
     states on the device in the first step where they fit, leaving little to settle here.)"""
     from hetero import runtime as R
-    from helpers import SettleAll, assert_same_model
+    from helpers import assert_same_model, settling
 
     monkeypatch.setenv("HETERO_DEFER_STEP", "0")
-    total = state_bytes(make())
-    model = hetero.wrap(make(), **budgets(total, 0.5, 0.3, tmp_path), chunk_size="8KiB", policy=SettleAll())
+    model = hetero.wrap(make(), **settling(make, 0.5, tmp_path))
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     eager = make()
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)

@@ -817,7 +817,7 @@ def test_settled_optimizer_states_train_like_eager_and_replay(tmp_path, monkeypa
     settles every state it is offered: the built-in ones home states on the device in the
     first step where they fit, which leaves nothing to settle in a model this small.)"""
     from hetero import runtime as R
-    from helpers import SettleAll, assert_same_model, assert_within_budgets, budgets, train_pair
+    from helpers import assert_same_model, assert_within_budgets, settling, train_pair
 
     def make() -> GPT:
         torch.manual_seed(0)
@@ -831,8 +831,7 @@ def test_settled_optimizer_states_train_like_eager_and_replay(tmp_path, monkeypa
         moved.extend(b for b in below if "device" in b.tiers)
 
     monkeypatch.setattr(R.Runtime, "settle", settle)
-    total = state_bytes(make())
-    kw = dict(budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB", policy=SettleAll())
+    kw = settling(make, 0.6, tmp_path)
     eager_losses, losses, eager, wrapped = train_pair(make, kw, batches(5, seed=1))
     assert moved, "the configuration must settle states"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses))

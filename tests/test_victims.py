@@ -174,7 +174,7 @@ def test_ranked_choices_match_the_policy_when_states_settle(tmp_path, checked) -
     """Settling changes a policy's keys between observations (``Opt.settled``: the settled
     chunk's blocks are expected on the device): the rankings must hear of it. (A policy that
     settles every state it is offered: the built-in ones settle nothing in a model this small.)"""
-    from helpers import SettleAll, budgets
+    from helpers import SettleAll, settling
 
     settled = {"n": 0}
 
@@ -183,10 +183,9 @@ def test_ranked_choices_match_the_policy_when_states_settle(tmp_path, checked) -
             super().settled(block, tier)
             settled["n"] += 1
 
+    kw = settling(GPT, 0.6, tmp_path, Counting())
     torch.manual_seed(0)
-    total = state_bytes(GPT())
-    torch.manual_seed(0)
-    model = hetero.wrap(GPT(), **budgets(total, 0.6, 0.3, tmp_path), chunk_size="8KiB", policy=Counting())
+    model = hetero.wrap(GPT(), **kw)
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     for b in batches(5, seed=1):
         default_step(model, opt, b)
