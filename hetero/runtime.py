@@ -111,9 +111,9 @@ class Runtime:
         self._evicting_from_device = 0  # device evictions in progress (each may place a block on the host)
         # Work postponed per chunk (the optimizer's updates that must move data), run before
         # anything touches one of the chunk's blocks: see postpone().
-        self._postponed: dict[str, tuple[Callable[[], None], Callable[[], tuple[list[Block], str]]]] = {}
+        # chunk id -> (run, needs, when it was postponed: the order in which the forward needs it)
+        self._postponed: dict[str, tuple[Callable[[], None], Callable[[], tuple[list[Block], str]], int]] = {}
         self._catching_up = False
-        self._postponed_at: dict[str, int] = {}  # chunk id -> when it was postponed (its order)
         self._postpone_seq = itertools.count()
         self._last_at = -1  # when the postponed work that ran (runs) last was postponed
 
@@ -348,7 +348,6 @@ class Runtime:
         if self._postponed:  # nothing can read the model once its swap files are gone
             log.debug("hetero: closing with %d postponed update(s) not run", len(self._postponed))
             self._postponed.clear()
-            self._postponed_at.clear()
         try:
             self.drain()
         except HeteroIOError as exc:
@@ -384,7 +383,8 @@ class Runtime:
             self._ops.add(op)
 
     def postpone(self, chunk_id: str, run: Callable[[], None],
-                 needs: Callable[[], tuple[list[Block], str]], first: bool = False) -> None:
+                 needs: Callable[[], tuple[list[Block], str]], first: bool = False,
+                 at: Optional[int] = None) -> None:
         """Run ``run`` (work on chunk ``chunk_id``'s blocks: the optimizer's update of a chunk
         whose state must move) later: before the first acquire, read or write of one of the
         chunk's blocks, or at :meth:`catch_up`; oldest first (``first``: before the others).
@@ -395,17 +395,16 @@ class Runtime:
         rewrites them first; the hints and :meth:`settle` still move them), and its parameters
         read as NaN, as off the device: their device copy is stale. ``run`` must leave the chunk
         as before when it raises (HeteroIOError, HeteroOOMError): it stays postponed and runs
-        again at the next touch (a failure rolls forward, not back). :meth:`close` drops what
-        is still postponed. Recorded in the event log, as is each run (a replay runs nothing:
-        the work's own acquires are in the log)."""
+        again at the next touch (a failure rolls forward, not back), keeping its place ``at``
+        in the order. :meth:`close` drops what is still postponed. Recorded in the event log,
+        as is each run (a replay runs nothing: the work's own acquires are in the log)."""
         assert chunk_id not in self._postponed, f"runtime bug: {chunk_id} postponed twice"
         self.tracker.event("postpone", chunk_id, first)
-        if first:  # (work that failed keeps its place in the order; a replay ran it: a new one)
-            self._postponed = {chunk_id: (run, needs), **self._postponed}
-            self._postponed_at.setdefault(chunk_id, next(self._postpone_seq))
+        entry = (run, needs, next(self._postpone_seq) if at is None else at)
+        if first:
+            self._postponed = {chunk_id: entry, **self._postponed}
         else:
-            self._postponed[chunk_id] = (run, needs)
-            self._postponed_at[chunk_id] = next(self._postpone_seq)
+            self._postponed[chunk_id] = entry
         for block in needs()[0]:  # parameters it will rewrite must not read as current meanwhile
             self.storage.on_device(block, False)
 
@@ -418,18 +417,16 @@ class Runtime:
         if self._catching_up:
             return  # (the work running touches only its own chunk's blocks)
         for cid in [c for c in self._postponed if chunk_ids is None or c in chunk_ids]:
-            run, needs = self._postponed.pop(cid)
-            self._last_at = self._postponed_at.get(cid, -1)
+            run, needs, self._last_at = self._postponed.pop(cid)
             self.tracker.event("catch_up", (cid,))
             self._catching_up = True
             try:
                 run()
             except BaseException:
-                self.postpone(cid, run, needs, first=True)
+                self.postpone(cid, run, needs, first=True, at=self._last_at)
                 raise
             finally:
                 self._catching_up = False
-            del self._postponed_at[cid]
 
     def _up_next(self) -> list[str]:
         """The postponed work the forward is expected to reach next: at most ``2 * prefetch``
@@ -437,16 +434,19 @@ class Runtime:
         it was postponed (the optimizer's: the forward's), after the work that ran last. Work
         older than that was passed by (a routed expert the forward skipped): it runs at the next
         step's catch-up, or at its chunk's next touch."""
-        at = self._postponed_at
-        later = (c for c in self._postponed if at[c] > self._last_at)
-        return heapq.nsmallest(max(1, 2 * self.prefetch_depth), later, key=at.__getitem__)
+        later = (c for c, (_, _, at) in self._postponed.items() if at > self._last_at)
+        return heapq.nsmallest(max(1, 2 * self.prefetch_depth), later, key=self._order)
 
     def hint_postponed(self) -> None:
         """Start fetching what the work up next needs (:meth:`_up_next`), else what the oldest
         work needs."""
         if self._postponed:
-            nxt = self._up_next() or [min(self._postponed, key=self._postponed_at.__getitem__)]
+            nxt = self._up_next() or [min(self._postponed, key=self._order)]
             self.hint([self._postponed[cid][1]() for cid in nxt])
+
+    def _order(self, chunk_id: str) -> int:
+        """When the work postponed for ``chunk_id`` was postponed."""
+        return self._postponed[chunk_id][2]
 
     # ------------------------------------------------------------------ transactions
 
