@@ -108,6 +108,9 @@ class Runtime:
         self.prefetching = True
         self._prefetching_now = False
         self._protected: set[Block] = set()
+        # Blocks whose NVMe copy was never written and reads as zeros (new optimizer states homed
+        # there): a fetch fills the host copy instead of reading the disk.
+        self._zero: set[Block] = set()
         self._evicting_from_device = 0  # device evictions in progress (each may place a block on the host)
         # Work postponed per chunk (the optimizer's updates that must move data), run before
         # anything touches one of the chunk's blocks: see postpone().
@@ -179,18 +182,21 @@ class Runtime:
     def create(self, block: Block, init: Optional[torch.Tensor] = None, tier: Optional[str] = None) -> None:
         """Give a new block its first home and fill it from ``init`` (a flat tensor of the
         block's dtype on any device; ``None`` zero-fills). The home is ``tier`` if given, else
-        the policy's choice; a block homed on NVMe is made on the host and stays there if NVMe
-        has no room for it."""
+        the policy's choice. A block homed on NVMe is made on the host and written there, or,
+        zero-filled, only takes its NVMe slots (nothing is written, and its first fetch fills
+        the host copy instead of reading); it stays on the host if NVMe has no room for it."""
         assert not block.tiers, f"{block} already exists"
         self._blocks[block.id] = block
         self._sizes[block.id] = block.nbytes
         self._kinds[block.id] = block.kind
         self._chunks[block.id] = block.chunk_id
-        self.tracker.event("create", block.id, block.kind, block.nbytes, tier)
+        self.tracker.event("create", block.id, block.kind, block.nbytes, tier, init is None)
         if tier is None:
             tier = self.policy.home(self._info(block), self.free_bytes(),
                                     {n: t.capacity for n, t in self.tiers.items()})
             self._victims.invalidate()  # a home may change keys (opt: a chunk made resident)
+        if tier == NVME and init is None and self._create_zero_on_nvme(block):
+            return
         first = HOST if tier == NVME else tier  # NVMe is written from a host slot
         self._placing.add(block)
         try:
@@ -219,6 +225,19 @@ class Runtime:
                 self._evict(block, HOST)
             except HeteroOOMError:  # NVMe has no room after all: the block stays where it was made
                 log.debug("hetero: %s stays on the host: no room for it on NVMe", block.id)
+
+    def _create_zero_on_nvme(self, block: Block) -> bool:
+        """Give a new zero-filled block NVMe slots and nothing else (see :meth:`create`); False
+        where NVMe has no room for it."""
+        try:
+            self._alloc(block, NVME, set())
+        except HeteroOOMError:
+            return False
+        self._add_copy(block, NVME)
+        self._zero.add(block)
+        if self._txn is not None:
+            self._txn.created[block] = None
+        return True
 
     def acquire(self, blocks: Sequence[Block], tier: str = DEVICE, write: bool = False,
                 record: bool = True) -> None:
@@ -564,6 +583,9 @@ class Runtime:
         back on the device until the transaction ends): the pre-write version for a rollback."""
         loc = self.storage.loc(block, tier)
         self._txn.shadows[block] = (tier, loc)
+        if tier == NVME and block in self._zero:  # the shadow reads as zeros too
+            self._zero.discard(block)
+            self._txn.zero.add(block)
         self._remove_copy(block, tier)
         if tier == DEVICE:
             self.storage.on_device(block, False)
@@ -592,6 +614,7 @@ class Runtime:
         (logged once per transaction)."""
         txn = self._txn
         tier, loc = txn.shadows.pop(block)
+        txn.zero.discard(block)
         self._release_shadow(block, tier, loc)
         if txn.complete:
             log.warning("hetero: no room on the %s tier for the previous versions of the blocks an "
@@ -655,6 +678,8 @@ class Runtime:
                 self.storage.forget_at(tier, loc, block.nbytes)
                 self.storage.adopt(block, tier, loc)
             self._add_copy(block, tier)
+            if block in txn.zero:
+                self._zero.add(block)
         self.drain()
         log.info("hetero: transaction rolled back (%d blocks restored, %d created blocks dropped)",
                  len(txn.shadows), len(txn.created))
@@ -1052,8 +1077,11 @@ class Runtime:
         finally:
             self._placing.discard(block)
         src_loc, dst_loc = self.storage.loc(block, src), self.storage.loc(block, dst)
-        self.tracker.count(block.id, src, dst, block.nbytes, prefetch)
         self._add_copy(block, dst)
+        if src == NVME and block in self._zero:  # never written: the copy is a fill, not a read
+            self._issue(block, None, dst, None, dst_loc, freed_src=False, prefetch=prefetch)
+            return
+        self.tracker.count(block.id, src, dst, block.nbytes, prefetch)
         if evict:
             self._drop(block, src)
         self._issue(block, src, dst, src_loc, dst_loc, freed_src=evict, prefetch=prefetch)
@@ -1074,6 +1102,8 @@ class Runtime:
         gives device memory back (``storage.release``) when nothing reads it any more."""
         if tier == DEVICE:
             self.storage.on_device(block, False)
+        elif tier == NVME:
+            self._zero.discard(block)
         self.storage.forget(block, tier)
         self._remove_copy(block, tier)
         self._unreserve(block, tier)
@@ -1110,7 +1140,7 @@ class Runtime:
         if op.dst is not None:
             self.storage.alloc(op.block, op.dst)
             if op.src is None:
-                self.storage.fill(op.block, op.dst, op.init)
+                self.storage.fill(op.block, op.dst, op.dst_loc, op.init)
                 op.init = None
             else:
                 op.handle = self.storage.copy(op.block, op.src, op.src_loc, op.dst, op.dst_loc)
@@ -1147,9 +1177,12 @@ class Runtime:
             self._finish(op)
 
     def _wait_for(self, ops: Iterable[Op], stall: bool, block: Optional[Block] = None) -> None:
+        """Finish ``ops``; the time counts as stall (``stall``) only where one of them was still
+        queued or in flight: retiring work that is already done is bookkeeping, not waiting."""
         ops = [o for o in ops if o.pending]
         if not ops:
             return
+        stall = stall and any(o.state == "queued" or (o.handle is not None and not o.handle.done()) for o in ops)
         start = self.tracker.now()
         try:
             for o in ops:
@@ -1160,9 +1193,7 @@ class Runtime:
                                    optimizer=any(o.compute for o in ops))
 
     def _wait_block(self, block: Block, stall: bool) -> None:
-        ops = list(self._ops.of(block))
-        busy = any(o.state == "queued" or (o.handle is not None and not o.handle.done()) for o in ops)
-        self._wait_for(ops, stall and busy, block)
+        self._wait_for(list(self._ops.of(block)), stall, block)
 
     def _pump(self, finish: bool = True) -> None:
         """Retire finished transfers (unless ``finish`` is False: then no error can surface here)
@@ -1233,6 +1264,7 @@ class _Transaction:
     def __init__(self) -> None:
         self.shadows: dict[Block, tuple[str, Any]] = {}
         self.created: dict[Block, None] = {}  # in creation order (a set that keeps it)
+        self.zero: set[Block] = set()  # shadows that are never-written NVMe copies (read as zeros)
         self.lost: set[Block] = set()  # written, and no older copy kept: a rollback cannot undo them
 
     @property

@@ -41,6 +41,9 @@ class SimBlock:
         return f"SimBlock({self.id}, {self.nbytes} B, tiers={sorted(self.tiers)})"
 
 
+_WRITTEN = object()  # stands for the data a run gave a block at its creation (SimStorage holds none)
+
+
 class _Done:
     """The handle of a simulated transfer: finished the moment it is issued."""
 
@@ -122,7 +125,7 @@ class SimStorage:
     def copy(self, block: SimBlock, src: str, src_loc: Any, dst: str, dst_loc: Any) -> _Done:
         return _Done()
 
-    def fill(self, block: SimBlock, tier: str, init: Any) -> None:
+    def fill(self, block: SimBlock, tier: str, loc: Any, init: Any) -> None:
         pass
 
     def on_device(self, block: SimBlock, resident: bool) -> None:
@@ -177,8 +180,8 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     oom = None
     try:
         for op, *args in events:
-            if op == "create":
-                rt.create(get(args[0]), tier=args[3])
+            if op == "create":  # (a zero-filled block homed on NVMe is made without a write)
+                rt.create(get(args[0]), tier=args[3], init=None if args[4:] == [True] else _WRITTEN)
             elif op == "acquire":
                 ids, tier, write, record = args
                 rt.acquire([get(i) for i in ids], tier, write, record)

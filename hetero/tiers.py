@@ -640,9 +640,11 @@ class TierStorage:
             after = torch.cuda.current_stream(cuda.device).cuda_stream
         return self.copier.copy(dst_t, src_t, after_stream=after)
 
-    def fill(self, block, tier: str, init: Optional[torch.Tensor]) -> None:
+    def fill(self, block, tier: str, loc, init: Optional[torch.Tensor]) -> None:
+        """Write ``init`` (None: zeros) into ``block``'s copy on ``tier`` at ``loc`` (the location
+        when the fill was issued: the block may have left it since)."""
         with torch.no_grad():
-            dst = self.data(block, tier)
+            dst = block.device if tier == DEVICE else self._host(loc, block)
             if init is None:
                 dst.zero_()
             else:

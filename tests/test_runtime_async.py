@@ -19,6 +19,7 @@ import math
 import random
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -264,9 +265,9 @@ def ready_for_step(path: str, device: float, host: float, policy: str):
 def test_failure_while_a_started_hold_op_is_in_flight_is_undone(rig) -> None:
     rt = rig(4, 2, 8)
     a, c = TB("a", 1024), TB("c", 1024)
-    rt.create(c, tier=NVME)
+    rt.create(c, torch.ones(1024), tier=NVME)
     rt.drain()
-    rt.create(a, tier=NVME)  # a's write to NVMe is in flight ...
+    rt.create(a, torch.ones(1024), tier=NVME)  # a's write to NVMe is in flight ...
     rt.discard(a)  # ... so freeing its NVMe copy is a hold op queued behind it
     write_back = rt._ops.first()
     write_back.handle.wait()  # the write is done; the next _pump retires it and starts the hold
@@ -311,6 +312,71 @@ def test_undo_of_a_cancelled_nvme_hold_stays_within_the_budget(rig) -> None:
     invariants(rt)
 
 
+def _zero_block_over_stale_bytes(rig) -> tuple[R.Runtime, TB]:
+    """A zero-filled block ``z`` created on NVMe in the slots an earlier block filled with 7s."""
+    rt = rig(4, 2, 8, policy=Scripted())
+    old, z = TB("old", 1024), TB("z", 1024)
+    rt.create(old, torch.full((1024,), 7.0), tier=NVME)
+    rt.drain()
+    loc = old.nvme_loc
+    rt.discard(old)
+    rt.create(z, tier=NVME)
+    assert z.tiers == {NVME} and z.nvme_loc == loc, "the test needs z in the slots old wrote"
+    return rt, z
+
+
+def _read(rt: R.Runtime, block: TB) -> torch.Tensor:
+    rt.acquire([block], HOST)
+    try:
+        return rt.data(block, HOST).clone()
+    finally:
+        rt.release([block], HOST)
+
+
+def test_a_zero_filled_block_homed_on_nvme_is_neither_written_nor_read_until_it_changes(rig) -> None:
+    """A new zero-filled block homed on NVMe (an Adam state in its first step) takes its NVMe
+    slots and nothing else: no write, and its first fetch fills the host copy with zeros instead
+    of reading the slots (which hold an older block's bytes here). Once written it goes down and
+    comes back as any block does."""
+    rt, z = _zero_block_over_stale_bytes(rig)
+    assert rt.tiers[NVME].used == rt._size_on(NVME, z)  # its room is taken all the same
+    assert rt.tracker.traffic["host->nvme"] == 4096  # old's write only
+    assert torch.equal(_read(rt, z), torch.zeros(1024))
+    assert rt.tracker.traffic["nvme->host"] == 0 and z.tiers == {HOST, NVME}
+    rt.acquire([z], HOST, write=True)
+    rt.data(z, HOST).fill_(3.0)
+    rt.release([z], HOST)
+    rt.policy.prefer = ["z"]
+    a, b = TB("a", 1024), TB("b", 1024)
+    rt.create(a, tier=HOST)
+    rt.create(b, tier=HOST)  # the host is full: z goes down, written this time
+    rt.drain()
+    assert z.tiers == {NVME} and rt.tracker.traffic["host->nvme"] == 2 * 4096
+    assert torch.equal(_read(rt, z), torch.full((1024,), 3.0))
+    assert rt.tracker.traffic["nvme->host"] == 4096
+    bounded_drain(rt)
+    invariants(rt)
+
+
+@pytest.mark.parametrize("end", ["rollback", "commit"])
+def test_a_never_written_nvme_copy_kept_as_a_shadow_reads_as_zeros_after_a_rollback(rig, end: str) -> None:
+    """Writing such a block inside a transaction keeps its NVMe copy as the shadow; a rollback
+    gives it back, still reading as zeros (not the slots' stale bytes), a commit keeps the write."""
+    rt, z = _zero_block_over_stale_bytes(rig)
+    rt.begin()
+    rt.acquire([z], HOST, write=True)
+    assert rt._txn.shadows[z][0] == NVME
+    rt.data(z, HOST).fill_(3.0)
+    rt.release([z], HOST)
+    getattr(rt, end)()
+    expect = torch.zeros(1024) if end == "rollback" else torch.full((1024,), 3.0)
+    assert z.tiers == ({NVME} if end == "rollback" else {HOST})
+    assert torch.equal(_read(rt, z), expect)
+    assert rt.tracker.traffic["nvme->host"] == 0
+    bounded_drain(rt)
+    invariants(rt)
+
+
 def test_a_discarded_block_stays_discarded_when_an_earlier_transfer_fails(rig) -> None:
     rt = rig(4, 2, 8)
     a = TB("a", 1024)
@@ -327,7 +393,7 @@ def test_end_step_ends_the_step_even_when_an_earlier_transfer_failed(rig) -> Non
     rt = rig(4, 2, 8)
     a = TB("a", 1024)
     engine.inject_fault("eio", 0)
-    rt.create(a, tier=NVME)  # its write to NVMe fails in the background
+    rt.create(a, torch.ones(1024), tier=NVME)  # its write to NVMe fails in the background
     while not rt._ops.first().handle.done():
         pass
     step = rt.tracker.step
@@ -355,7 +421,7 @@ def _fragmented_host(rig, in_txn: bool):
     rt = rig(8, 3, 16, policy=pol, prefetch=1, sim=True)
     f, q, p = (SimBlock("f", "exp_avg", SLOT), SimBlock("q", "exp_avg", SLOT),
                SimBlock("p", "exp_avg", 2 * SLOT))
-    rt.create(p, tier=NVME)  # staged through host slots 0-1, then written to NVMe
+    rt.create(p, tier=NVME)  # zero-filled: it takes NVMe slots only
     rt.create(f, tier=HOST)
     rt.create(q, tier=HOST)
     assert (f.host_offset, q.host_offset, p.tiers) == (0, SLOT, {NVME})
@@ -1024,3 +1090,34 @@ def test_a_failure_late_in_the_first_step(policy, swapdir, faults) -> None:
         assert_same_state(after, before)
         assert not opt.state_dict()["state"]  # no chunk kept the step
         close_model(model)
+
+
+def test_retiring_work_already_done_is_not_stall(rig) -> None:
+    """Stall time is time compute waited for a transfer still queued or in flight: creating
+    blocks in free memory (a fill done at once) records none, while a read from NVMe that an
+    acquire has to wait for does."""
+    rt = rig(4, 2, 8)
+    for name in "abc":
+        rt.create(TB(name, 1024), tier=DEVICE)
+    assert rt.tracker.stalls == []
+    n = TB("n", 1024)
+    rt.create(n, torch.ones(1024), tier=NVME)
+    rt.drain()
+    real, until = rt.storage.copy, time.perf_counter() + 0.05
+
+    class Slow:  # the read takes 50 ms
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def done(self) -> bool:
+            return time.perf_counter() >= until and self.handle.done()
+
+        def wait(self) -> None:
+            time.sleep(max(0.0, until - time.perf_counter()))
+            self.handle.wait()
+
+    rt.storage.copy = lambda *args: Slow(real(*args))
+    _read(rt, n)
+    assert [b for _, _, b in rt.tracker.stalls] == ["n"] and rt.tracker.stall_seconds >= 0.04
+    bounded_drain(rt)
+    invariants(rt)
