@@ -74,6 +74,37 @@ def test_timeline_resynchronizes_after_a_skipped_branch() -> None:
     assert t.end_step() == (3, 4)  # a, d and e matched the recording, x did not
 
 
+def test_timeline_jumps_far_only_when_the_next_access_follows_and_goes_back_a_little() -> None:
+    """An optimizer update that runs on another tier than recorded matches only far ahead (its
+    gradient's use in the backward): the position stays until the access after it also follows
+    there. A few accesses done out of the recorded order move it back to them."""
+    t = Timeline()
+    fwd = [("p1", "device"), ("g1", "host"), ("s1", "host"), ("p2", "device"), ("p3", "device"),
+           ("p4", "device")]
+    bwd = [("p4", "device"), ("g4", "device"), ("p3", "device"), ("g3", "device"), ("g1", "device"),
+           ("x", "device")]
+    filler = [(f"f{i}", "device") for i in range(Timeline.NEAR)]  # the rest of a long step
+    for b, tier in fwd + filler + bwd:
+        t.observe([b], tier)
+    t.end_step()
+    t.observe(["p1"], "device")
+    t.observe(["g1"], "device")  # updated on the device this time: recorded only in the backward
+    assert t.pos == 1  # not there yet on one access's word
+    t.observe(["s1"], "device")  # the step goes on with the forward: the far match was wrong
+    t.observe(["p2"], "device")
+    assert t.pos == 4  # (g1 and s1 on the host were skipped)
+    t.observe(["p3"], "device")
+    t.observe(["g1"], "device")
+    t.observe(["x"], "device")  # ... the access after it follows the far match: the step is there
+    assert t.pos == len(fwd + filler + bwd)
+    t.end_step()  # recorded now: p1 g1 s1 p2 p3 g1 x, all on the device
+    for b in ["p1", "p2", "p3"]:
+        t.observe([b], "device")
+    assert t.pos == 5 and t.next_use("p2", "device") == 5  # (in the next step)
+    t.observe(["s1"], "device")  # done late this time: back to it
+    assert t.pos == 3 and t.next_use("p2", "device") == 0  # (the memoized answer went)
+
+
 def test_opt_is_belady_with_wrap_around() -> None:
     opt = Opt()
     feed(opt, "abcd")

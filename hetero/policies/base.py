@@ -120,8 +120,14 @@ class Timeline:
 
     Training steps repeat, so the previous step tells each block's next use exactly (with
     wrap-around into the next step). When the current step departs from it (routing, branches)
-    the position resynchronizes on the next access it recognizes within ``window``; blocks the
-    recorded step never touched have an unknown future. At the end of each step the step just
+    the position resynchronizes on the nearest recorded use of the access: at once where that
+    is at most ``NEAR`` recorded accesses away, ahead or behind (the step may have done a few
+    accesses out of the recorded order), else, up to ``window`` ahead, only once the access
+    after it follows there too. (A single access found far ahead is mostly one that moved: an
+    optimizer update the step runs on another tier than the recording did, whose next match is
+    in the backward pass; jumping there on its word would skip the rest of the forward and leave
+    every later access of the step behind the position, unmatched.) Blocks the recorded step
+    never touched have an unknown future. At the end of each step the step just
     seen becomes the recording, so a changed sequence is learned after one step, never dropped.
 
     Before any step is complete the first step is predicted from its own forward pass: when the
@@ -151,6 +157,7 @@ class Timeline:
         self.matched = 0
         self.seen = 0
         self.streak = 0  # accesses in a row that matched the recording exactly
+        self._far: Optional[int] = None  # where the step would be if the last access's far match is right
         self._hits: dict[str, float] = {}  # recorded uses that came true, per block (decayed)
         self._misses: dict[str, float] = {}  # recorded uses skipped (the step went another way)
         self.provisional = False  # ``recorded`` is the current step's forward mirrored, a guess
@@ -193,6 +200,7 @@ class Timeline:
             self.seen += 1
             if not self.recorded:
                 continue
+            far, self._far = self._far, None
             if self.pos < len(self.recorded) and self.recorded[self.pos][:2] == (b, tier):
                 self.pos += 1
                 self.matched += 1
@@ -200,15 +208,34 @@ class Timeline:
                 self._hits[b] = self._hits.get(b, 0) + 1
                 continue
             self.streak = 0
+            if far is not None and far < len(self.recorded) and self.recorded[far][:2] == (b, tier):
+                self._resync(far - 1)  # the access before was right: the step is there
+                self._resync(far)
+                continue
             positions = self._index.get((b, tier), [])
             i = bisect.bisect_left(positions, self.pos)
-            if i < len(positions) and positions[i] - self.pos <= self.window:
-                for skipped, _, _ in self.recorded[self.pos:positions[i]]:  # this step did not do these
-                    self._misses[skipped] = self._misses.get(skipped, 0) + 1
-                self.pos = positions[i] + 1
-                self.matched += 1
-                self._hits[b] = self._hits.get(b, 0) + 1
+            ahead = positions[i] - self.pos if i < len(positions) else math.inf
+            behind = self.pos - positions[i - 1] if i > 0 else math.inf
+            if min(ahead, behind) <= self.NEAR:
+                self._resync(positions[i] if ahead <= behind else positions[i - 1])
+            elif ahead <= self.window:
+                self._far = positions[i] + 1
         self._groups += 1
+
+    #: recorded accesses a resynchronization may skip on one access's word (see the class)
+    NEAR = 16
+
+    def _resync(self, p: int) -> None:
+        """Move the position past recorded access ``p``, which the current access matched; the
+        recorded accesses skipped on the way are uses this step did not make. (Moving back, the
+        next uses of the blocks between are nearer again: the memoized answers go.)"""
+        for skipped, _, _ in self.recorded[self.pos:p]:
+            self._misses[skipped] = self._misses.get(skipped, 0) + 1
+        if p < self.pos:
+            self._next = {}
+        self.pos = p + 1
+        self.matched += 1
+        self._hits[self.recorded[p][0]] = self._hits.get(self.recorded[p][0], 0) + 1
 
     def end_step(self) -> tuple[int, int]:
         """Adopt the step just seen as the recording; returns (matched, seen) of that step."""
@@ -223,6 +250,7 @@ class Timeline:
             self.provisional = False
         self._current, self._current_writes = [], set()
         self._groups, self.pos, self.matched, self.seen = 0, 0, 0, 0
+        self._far = None
         self._next = {}
         return result
 

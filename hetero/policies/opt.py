@@ -72,9 +72,11 @@ class Opt(Policy):
             self._stale = None
         elif self._stale is not None:
             # Besides the blocks acquired, only those whose recorded use the step just passed
-            # (matched or skipped) have a new next use or a new record of hits and misses.
+            # (matched or skipped; or went back before) have a new next use or a new record of
+            # hits and misses.
             self._stale.update(blocks)
-            self._stale.update(b for b, _, _ in self.timeline.recorded[start:self.timeline.pos])
+            lo, hi = sorted((start, self.timeline.pos))
+            self._stale.update(b for b, _, _ in self.timeline.recorded[lo:hi])
         if self.fallback is not None:
             self.fallback.observe(blocks, tier, step, seq, write)
         for i, b in enumerate(blocks):
