@@ -8,7 +8,8 @@ and compared with two clairvoyant lower bounds for the same accesses: Belady's p
 (``belady_bound``) and the same with the constraints every placement obeys, co-residency of an
 acquire's blocks and free placement only at creation (``coresident_bound``, tighter, still a
 lower bound). Real runs of each policy give stall seconds (the time compute waited for blocks;
-transfers are asynchronous, so a prefetched transfer stalls nothing), and their device bytes
+transfers are asynchronous, so a prefetched transfer stalls nothing; ``steady``: the part from
+step ``WARMUP`` on, after the recording and the routing's first picks), and their device bytes
 against the co-resident bound of their own log (``ratio_real``): where a policy decides where
 the optimizer updates a chunk (Adam runs where the chunk's states are, and ``opt``/``auto``
 settle states on the device after a step), its own run accesses differently from the ``auto``
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "real_nvme_bytes": d["traffic"]["nvme->host"] + d["traffic"]["host->nvme"],
                              "stall_seconds": d["stall_seconds"],
                              "stall_optimizer_seconds": d["stall_seconds_optimizer"],
+                             "stall_steady_seconds": sum(d["step_stall_seconds"][WARMUP:]),
                              "prefetch_hits": d["prefetch"]["hits"]}.items():
                     cell[k] += v
     for r in cells.values():
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
 # Per-cell figures summed over the seeds (the ratios are taken of the sums).
 _SUMMED = ("bound_bytes", "coresident_bytes", "sim_device_bytes", "sim_misses", "real_device_bytes",
            "real_coresident_bytes", "real_nvme_bytes", "stall_seconds", "stall_optimizer_seconds",
-           "prefetch_hits")
+           "stall_steady_seconds", "prefetch_hits")
+WARMUP = 3  # steps before the steady state: the first records the sequence, the next lock on
 
 
 def working_set(events: list[tuple], catalog: dict) -> int:
@@ -157,13 +160,13 @@ def working_set(events: list[tuple], catalog: dict) -> int:
 
 def print_table(results: list[dict]) -> None:
     print(f"{'model':14s} {'device':>6s} {'ws':>5s} {'policy':8s} {'sim MiB':>9s} {'/co-res':>8s} {'/Belady':>8s} "
-          f"{'misses':>7s} {'real MiB':>9s} {'/own':>6s} {'nvme MiB':>9s} {'stall s':>8s} {'pf hits':>8s}")
+          f"{'misses':>7s} {'real MiB':>9s} {'/own':>6s} {'nvme MiB':>9s} {'stall s':>8s} {'steady':>7s} {'pf hits':>8s}")
     for r in results:
         ratios = [f"{r[k]:.3f}" if r[k] is not None else "n/a" for k in ("ratio_coresident", "ratio", "ratio_real")]
         print(f"{r['model']:14s} {r['device_frac']:6.0%} {r['working_set']:5.2f} {r['policy']:8s} "
               f"{r['sim_device_bytes'] / 2**20:9.2f} {ratios[0]:>8s} {ratios[1]:>8s} {r['sim_misses']:7d} "
               f"{r['real_device_bytes'] / 2**20:9.2f} {ratios[2]:>6s} {r['real_nvme_bytes'] / 2**20:9.2f} "
-              f"{r['stall_seconds']:8.3f} {r['prefetch_hits']:8d}")
+              f"{r['stall_seconds']:8.3f} {r['stall_steady_seconds']:7.3f} {r['prefetch_hits']:8d}")
 
 
 YMAX = 2.0  # the plot's ratio axis ends here

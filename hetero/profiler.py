@@ -59,6 +59,9 @@ class Report:
             "stall_seconds": tr.stall_seconds,
             # of which waiting for deferred optimizer updates (the rest: for transfers)
             "stall_seconds_optimizer": tr.optimizer_stall_seconds,
+            # per step (the first steps record the sequence and warm up; one more entry where
+            # work after the last step's end waited)
+            "step_stall_seconds": tr.step_stall + [0.0] * (tr.step - len(tr.step_stall)),
             "tiers": {name: t.as_dict() for name, t in rt.tiers.items()},
             "traffic": dict(tr.traffic),
             "step_traffic": [dict(t) for t in tr.step_traffic],  # the same, per step

@@ -71,6 +71,7 @@ class Tracker:
         self.usage: list[tuple[float, str, int]] = []  # (time, tier, bytes used after the change)
         self.stalls: list[tuple[float, float, str]] = []  # (start, end, block) waits for data
         self.optimizer_stall_seconds = 0.0  # the part of them spent on deferred optimizer updates
+        self.step_stall: list[float] = []  # stall seconds per step (the first steps record and warm up)
         self.traffic = {d: 0 for d in DIRECTIONS}
         self.step_traffic: list[dict[str, int]] = []  # the same, per step
         self.stats: dict[str, BlockStats] = {}
@@ -116,6 +117,9 @@ class Tracker:
         """Compute waited for ``block`` from ``start`` to ``end``; ``optimizer``: for a deferred
         optimizer update of it to finish (not for a transfer)."""
         self.stalls.append((start, end, block))
+        while len(self.step_stall) <= self.step:
+            self.step_stall.append(0.0)
+        self.step_stall[self.step] += end - start
         if optimizer:
             self.optimizer_stall_seconds += end - start
 

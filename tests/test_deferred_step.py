@@ -108,6 +108,10 @@ def test_each_parameter_fetch_waits_only_for_its_own_chunks_update(monkeypatch) 
     report = model.placement_report().as_dict()
     assert SLOW <= report["stall_seconds_optimizer"] <= report["stall_seconds"], report["stall_seconds"]
     assert "optimizer" in str(model.placement_report())
+    # ... per step too: those waits fall in the third step, whose forward it was
+    per_step = report["step_stall_seconds"]
+    assert len(per_step) == 3 and per_step[2] >= SLOW, per_step
+    assert sum(per_step) == pytest.approx(report["stall_seconds"])
     rt.drain()
     model.close()
 
