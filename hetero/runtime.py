@@ -1077,14 +1077,13 @@ class Runtime:
         finally:
             self._placing.discard(block)
         src_loc, dst_loc = self.storage.loc(block, src), self.storage.loc(block, dst)
+        zero = src == NVME and block in self._zero  # never written: the copy is a fill, not a read
+        if not zero:
+            self.tracker.count(block.id, src, dst, block.nbytes, prefetch)
         self._add_copy(block, dst)
-        if src == NVME and block in self._zero:  # never written: the copy is a fill, not a read
-            self._issue(block, None, dst, None, dst_loc, freed_src=False, prefetch=prefetch)
-            return
-        self.tracker.count(block.id, src, dst, block.nbytes, prefetch)
         if evict:
             self._drop(block, src)
-        self._issue(block, src, dst, src_loc, dst_loc, freed_src=evict, prefetch=prefetch)
+        self._issue(block, src, dst, src_loc, dst_loc, freed_src=evict, prefetch=prefetch, zero=zero)
 
     def _add_copy(self, block: Block, tier: str) -> None:
         block.tiers.add(tier)
@@ -1115,9 +1114,10 @@ class Runtime:
         the deferred update of its chunk still reads the host copy must not hold device memory,
         which every later transfer onto the device would wait for."""
         loc = self.storage.loc(block, tier)
+        zero = tier == NVME and block in self._zero
         self._drop(block, tier)
         if self._ops.touch(block, regions(block, tier, loc)):
-            op = self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False)
+            op = self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False, zero=zero)
             op.restorable = restorable  # a discarded copy is dead: undoing never brings it back
         else:
             self.storage.release(block, tier)
@@ -1125,9 +1125,10 @@ class Runtime:
     # ------------------------------------------------------------------ physical transfers
 
     def _issue(self, block: Block, src: Optional[str], dst: Optional[str], src_loc: Any, dst_loc: Any,
-               freed_src: bool, prefetch: bool, init: Optional[torch.Tensor] = None) -> Op:
+               freed_src: bool, prefetch: bool, init: Optional[torch.Tensor] = None, zero: bool = False) -> Op:
         op = Op(next(self._seq), block, src, dst, src_loc, dst_loc, freed_src, prefetch, init,
                 self.tracker.now())
+        op.zero = zero
         op.deps = self._ops.conflicts(op)
         self._ops.add(op)
         if not op.deps:
@@ -1139,7 +1140,7 @@ class Runtime:
         op.start = self.tracker.now()
         if op.dst is not None:
             self.storage.alloc(op.block, op.dst)
-            if op.src is None:
+            if op.src is None or op.zero:
                 self.storage.fill(op.block, op.dst, op.dst_loc, op.init)
                 op.init = None
             else:
@@ -1247,6 +1248,8 @@ class Runtime:
                 self.storage.adopt(block, op.src, op.src_loc)
                 self._reserve(block, op.src)
                 self._add_copy(block, op.src)
+                if op.zero:
+                    self._zero.add(block)
         log.warning("hetero: a transfer failed; undid %d transfer(s): %s", len(bad),
                     ", ".join(map(repr, sorted(bad, key=lambda o: o.seq))))
 

@@ -49,12 +49,14 @@ class Op:
     ``src_loc`` / ``dst_loc`` are the locations at issue time (the block's logical location may
     change before the op runs). ``freed_src``: the source copy was dropped logically when the op
     was issued (an eviction), so undoing the op gives it back. ``shadow``: the op writes the
-    pre-write copy a transaction keeps (not the block's own copy) one tier down.
+    pre-write copy a transaction keeps (not the block's own copy) one tier down. ``zero``: its
+    ``src`` copy is a never-written NVMe copy that reads as zeros (a transfer out of it is a
+    fill; the hold of a freed one gives the mark back if undone).
     """
 
     __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
                  "init", "deps", "handle", "state", "start", "restorable", "compute", "reads", "writes",
-                 "shadow")
+                 "shadow", "zero")
 
     def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
                  dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
@@ -68,6 +70,7 @@ class Op:
         self.restorable = True
         self.compute = compute
         self.shadow: Any = None  # the transaction whose shadow it moves
+        self.zero = False
         # the memory it reads and writes, fixed at issue (conflicts are judged on these)
         self.reads = () if src is None else regions(block, src, src_loc)
         self.writes = () if dst is None else regions(block, dst, dst_loc)

@@ -114,6 +114,7 @@ def invariants(rt: R.Runtime) -> None:
     exactly for the blocks on the device."""
     assert not rt._ops, rt._ops
     assert rt._txn is None
+    assert all(NVME in b.tiers for b in rt._zero), "a block marked never written has no NVMe copy"
     for name, t in rt.tiers.items():
         expect = sum(rt._size_on(name, b) for b in rt.blocks() if name in b.tiers)
         assert t.used == expect, f"{name}: used {t.used} != {expect} (sum of its copies)"
@@ -373,6 +374,45 @@ def test_a_never_written_nvme_copy_kept_as_a_shadow_reads_as_zeros_after_a_rollb
     assert z.tiers == ({NVME} if end == "rollback" else {HOST})
     assert torch.equal(_read(rt, z), expect)
     assert rt.tracker.traffic["nvme->host"] == 0
+    bounded_drain(rt)
+    invariants(rt)
+
+
+def test_a_cancelled_fill_of_a_never_written_block_gives_its_nvme_copy_back() -> None:
+    """z's first fetch (a fill: z was never written) waits for x's write-out from the same host
+    slot; meanwhile NVMe takes z's slots back (z looks clean on the host); then x's write fails
+    and the fill is cancelled. z gets its NVMe copy back, still reading as zeros, as a block
+    whose read was cancelled gets its NVMe copy back (it had none left: found by review)."""
+
+    class Failing:
+        def done(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            raise HeteroIOError("x's write failed (injected)")
+
+    class FailingXWrite(SimStorage):
+        def copy(self, block, src, src_loc, dst, dst_loc):
+            if block.id == "x" and (src, dst) == (HOST, NVME):
+                return Failing()
+            return super().copy(block, src, src_loc, dst, dst_loc)
+
+    caps = {DEVICE: 4 * SLOT, HOST: 2 * SLOT, NVME: 2 * SLOT}
+    pol = Scripted()
+    rt = guard(R.Runtime(caps, SLOT, pol, FailingXWrite(caps, SLOT), prefetch=1))
+    z, x, y, v = (TB(n, 1024) for n in "zxyv")
+    rt.create(z, tier=NVME)
+    rt.create(x, tier=HOST)
+    rt.create(y, tier=HOST)
+    pol.prefer = ["x", "y", "z"]
+    rt.hint([([z], HOST)])  # z's fill queues behind x's write-out
+    drops = []
+    real_drop = rt._drop
+    rt._drop = lambda block, tier: (drops.append((block.id, tier)), real_drop(block, tier))
+    with pytest.raises(HeteroIOError):  # (v's own fill waits for x's write too)
+        rt.acquire([v], HOST)  # the host is full: y goes down, for which NVMe drops z's copy
+    assert ("z", NVME) in drops
+    assert z.tiers == {NVME} and z in rt._zero
     bounded_drain(rt)
     invariants(rt)
 
