@@ -105,6 +105,20 @@ def test_timeline_jumps_far_only_when_the_next_access_follows_and_goes_back_a_li
     assert t.pos == 3 and t.next_use("p2", "device") == 0  # (the memoized answer went)
 
 
+def test_timeline_counts_a_swapped_pair_as_made_not_skipped() -> None:
+    """Two accesses in the other order than recorded: the first one matched skips the other,
+    which comes next and is made after all. Neither is a miss (a block with misses is not
+    trusted for prefetch), and each is one hit."""
+    t = Timeline()
+    for b in "abcdefgh":
+        t.observe([b], "device")
+    t.end_step()
+    for b in "acbdefgh":
+        t.observe([b], "device")
+    assert t._misses == {} and t._hits == dict.fromkeys("abcdefgh", 1)
+    assert all(t.reliable(b) for b in "abcdefgh")
+
+
 def test_opt_is_belady_with_wrap_around() -> None:
     opt = Opt()
     feed(opt, "abcd")

@@ -112,6 +112,24 @@ def test_ranked_choices_match_the_policy_on_random_logs(log, policy, prefetch, c
            1024, prefetch)
 
 
+def test_keys_stay_current_when_one_acquire_moves_the_recording_ahead_and_back(checked) -> None:
+    """One acquire of two blocks: the first matches ahead (the accesses between count as
+    skipped), the second behind (they do not any more). Every block between changed its record
+    of hits and misses, and so its key (``auto`` asks hotness for blocks the recording is not
+    reliable on), though the position ends where it was."""
+    ids = [f"p{i:02d}" for i in range(12)]
+
+    def acquire(*group: str) -> list[tuple]:
+        return [("acquire", group, "device", False, True), ("release", group, "device")]
+
+    events = [("create", b, "param", 1024, None) for b in ids] + sum((acquire(b) for b in ids), [])
+    events += [("end_step",)] + acquire("p00") + acquire("p01") + acquire("p10", "p06")
+    events += sum((acquire(b) for b in ids[7:]), [])
+    replay(events, {b: ("param", 1024) for b in ids}, "auto",
+           {"device": 3072, "host": 4096, "nvme": 49152}, 1024, 2)
+    assert checked["n"] > 0
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_ranked_choices_match_the_policy_in_a_real_run(policy, tmp_path, checked) -> None:
     """Routed experts, tight device and host budgets and NVMe: evictions on every tier, shadows

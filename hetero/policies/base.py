@@ -158,6 +158,9 @@ class Timeline:
         self.seen = 0
         self.streak = 0  # accesses in a row that matched the recording exactly
         self._far: Optional[int] = None  # where the step would be if the last access's far match is right
+        self._high = 0  # the furthest position this step reached (it may go back a little)
+        self._missed: set[int] = set()  # recorded accesses this step counted as skipped
+        self.span = (0, 0)  # the lowest and highest position of the last observe() (see Opt)
         self._hits: dict[str, float] = {}  # recorded uses that came true, per block (decayed)
         self._misses: dict[str, float] = {}  # recorded uses skipped (the step went another way)
         self.provisional = False  # ``recorded`` is the current step's forward mirrored, a guess
@@ -187,12 +190,13 @@ class Timeline:
         mirrored = [(b, t, last + k) for k, g in enumerate(sorted(by_group, reverse=True))
                     for b, t, _ in by_group[g]]
         self._adopt(forward + mirrored, set(self._current_writes))
-        self.pos = len(forward)
+        self.pos = self._high = len(forward)
         self.provisional = True
 
     def observe(self, blocks: Sequence[str], tier: str, write: bool = False) -> None:
         if write and not self.recorded and self._current:
             self._mirror()
+        lo = hi = self.pos
         for b in blocks:
             if write:
                 self._current_writes.add(len(self._current))
@@ -202,24 +206,24 @@ class Timeline:
                 continue
             far, self._far = self._far, None
             if self.pos < len(self.recorded) and self.recorded[self.pos][:2] == (b, tier):
-                self.pos += 1
-                self.matched += 1
+                self._pass(self.pos)
                 self.streak += 1
-                self._hits[b] = self._hits.get(b, 0) + 1
-                continue
-            self.streak = 0
-            if far is not None and far < len(self.recorded) and self.recorded[far][:2] == (b, tier):
-                self._resync(far - 1)  # the access before was right: the step is there
-                self._resync(far)
-                continue
-            positions = self._index.get((b, tier), [])
-            i = bisect.bisect_left(positions, self.pos)
-            ahead = positions[i] - self.pos if i < len(positions) else math.inf
-            behind = self.pos - positions[i - 1] if i > 0 else math.inf
-            if min(ahead, behind) <= self.NEAR:
-                self._resync(positions[i] if ahead <= behind else positions[i - 1])
-            elif ahead <= self.window:
-                self._far = positions[i] + 1
+            else:
+                self.streak = 0
+                if far is not None and far < len(self.recorded) and self.recorded[far][:2] == (b, tier):
+                    self._resync(far - 1)  # the access before was right: the step is there
+                    self._resync(far)
+                else:
+                    positions = self._index.get((b, tier), [])
+                    i = bisect.bisect_left(positions, self.pos)
+                    ahead = positions[i] - self.pos if i < len(positions) else math.inf
+                    behind = self.pos - positions[i - 1] if i > 0 else math.inf
+                    if min(ahead, behind) <= self.NEAR:
+                        self._resync(positions[i] if ahead <= behind else positions[i - 1])
+                    elif ahead <= self.window:
+                        self._far = positions[i] + 1
+            lo, hi = min(lo, self.pos), max(hi, self.pos)
+        self.span = (lo, hi)
         self._groups += 1
 
     #: recorded accesses a resynchronization may skip on one access's word (see the class)
@@ -227,15 +231,32 @@ class Timeline:
 
     def _resync(self, p: int) -> None:
         """Move the position past recorded access ``p``, which the current access matched; the
-        recorded accesses skipped on the way are uses this step did not make. (Moving back, the
-        next uses of the blocks between are nearer again: the memoized answers go.)"""
-        for skipped, _, _ in self.recorded[self.pos:p]:
+        recorded accesses skipped on the way, and not reached before, are uses this step did not
+        make. (Moving back, the next uses of the blocks between are nearer again: the memoized
+        answers go.)"""
+        for q in range(max(self.pos, self._high), p):
+            skipped = self.recorded[q][0]
             self._misses[skipped] = self._misses.get(skipped, 0) + 1
+            self._missed.add(q)
         if p < self.pos:
             self._next = {}
+        self._pass(p)
+
+    def _pass(self, p: int) -> None:
+        """The current access made recorded access ``p``: a hit, unless this step made it
+        already (the position came back over it); one counted as skipped is not any more."""
+        b = self.recorded[p][0]
+        if p in self._missed:
+            self._missed.discard(p)
+            self._misses[b] -= 1
+            if self._misses[b] < 0.01:
+                del self._misses[b]
+            self._hits[b] = self._hits.get(b, 0) + 1
+        elif p >= self._high:
+            self._hits[b] = self._hits.get(b, 0) + 1
         self.pos = p + 1
+        self._high = max(self._high, self.pos)
         self.matched += 1
-        self._hits[self.recorded[p][0]] = self._hits.get(self.recorded[p][0], 0) + 1
 
     def end_step(self) -> tuple[int, int]:
         """Adopt the step just seen as the recording; returns (matched, seen) of that step."""
@@ -250,7 +271,7 @@ class Timeline:
             self.provisional = False
         self._current, self._current_writes = [], set()
         self._groups, self.pos, self.matched, self.seen = 0, 0, 0, 0
-        self._far = None
+        self._far, self._high, self._missed = None, 0, set()
         self._next = {}
         return result
 

@@ -66,7 +66,7 @@ class Opt(Policy):
     def observe(self, blocks: Sequence[str], tier: str, step: int, seq: int,
                 write: bool = False) -> None:
         self._predicted.clear()
-        generation, start = self.timeline.generation, self.timeline.pos
+        generation = self.timeline.generation
         self.timeline.observe(blocks, tier, write)
         if self.timeline.generation != generation:  # a provisional recording: all new
             self._stale = None
@@ -75,7 +75,7 @@ class Opt(Policy):
             # (matched or skipped; or went back before) have a new next use or a new record of
             # hits and misses.
             self._stale.update(blocks)
-            lo, hi = sorted((start, self.timeline.pos))
+            lo, hi = self.timeline.span
             self._stale.update(b for b, _, _ in self.timeline.recorded[lo:hi])
         if self.fallback is not None:
             self.fallback.observe(blocks, tier, step, seq, write)
