@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import shutil
 import tempfile
 import time
@@ -82,6 +81,28 @@ class Scripted(Policy):
 
     def next_use(self, block_id, tier):
         return self.uses.get(block_id, math.inf)
+
+
+class _Failing:
+    """A transfer handle that never finishes and fails when waited for."""
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise HeteroIOError("injected: the transfer failed")
+
+
+def failing_sim_storage(block_id: str, src: str, dst: str) -> type:
+    """SimStorage whose transfer of ``block_id`` from ``src`` to ``dst`` fails when waited for."""
+
+    class Storage(SimStorage):
+        def copy(self, block, src_, src_loc, dst_, dst_loc):
+            if block.id == block_id and (src_, dst_) == (src, dst):
+                return _Failing()
+            return super().copy(block, src_, src_loc, dst_, dst_loc)
+
+    return Storage
 
 
 def bounded_drain(rt: R.Runtime) -> None:
@@ -383,23 +404,9 @@ def test_a_cancelled_fill_of_a_never_written_block_gives_its_nvme_copy_back() ->
     slot; meanwhile NVMe takes z's slots back (z looks clean on the host); then x's write fails
     and the fill is cancelled. z gets its NVMe copy back, still reading as zeros, as a block
     whose read was cancelled gets its NVMe copy back (it had none left: found by review)."""
-
-    class Failing:
-        def done(self) -> bool:
-            return False
-
-        def wait(self) -> None:
-            raise HeteroIOError("x's write failed (injected)")
-
-    class FailingXWrite(SimStorage):
-        def copy(self, block, src, src_loc, dst, dst_loc):
-            if block.id == "x" and (src, dst) == (HOST, NVME):
-                return Failing()
-            return super().copy(block, src, src_loc, dst, dst_loc)
-
     caps = {DEVICE: 4 * SLOT, HOST: 2 * SLOT, NVME: 2 * SLOT}
     pol = Scripted()
-    rt = guard(R.Runtime(caps, SLOT, pol, FailingXWrite(caps, SLOT), prefetch=1))
+    rt = guard(R.Runtime(caps, SLOT, pol, failing_sim_storage("x", HOST, NVME)(caps, SLOT), prefetch=1))
     z, x, y, v = (TB(n, 1024) for n in "zxyv")
     rt.create(z, tier=NVME)
     rt.create(x, tier=HOST)
@@ -680,61 +687,6 @@ def test_failed_optimizer_step_changes_nothing_and_the_retry_goes_through(config
         invariants(rt)
     finally:
         close_model(model)
-
-
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 10**6))
-def test_data_is_never_corrupted_by_concurrent_transfers(seed, rig) -> None:
-    """Random acquires (read / write, one or two blocks, device or host), releases, reads,
-    discards and step ends over tight budgets with prefetching policies, transfers running
-    asynchronously: every acquire sees the last value written (zeros after a discard), and after
-    a drain the accounting is consistent. (Budgets are below what wrap() accepts, so a block
-    spanning two slots may find no contiguous run: HeteroOOMError, then unpin_all as the
-    wrapper does.)"""
-    rng = random.Random(seed)
-    sizes = [rng.choice([512, 1024, 1024, 2048]) for _ in range(rng.randint(4, 9))]
-    slots = sum(-(-n * 4 // SLOT) for n in sizes)
-    rt = rig(rng.randint(4, 7), rng.randint(4, 8), slots + 4,
-             policy=rng.choice(["lru", "auto", "opt", "hotness"]), prefetch=rng.choice([1, 2]))
-    blocks = [TB(f"b{i}", n) for i, n in enumerate(sizes)]
-    want: dict[str, float] = {}
-    for step in range(120):
-        r = rng.random()
-        if r < 0.5:
-            chosen = rng.sample(blocks, rng.randint(1, 2))
-            tier, write = rng.choice([DEVICE, HOST]), rng.random() < 0.5
-            try:
-                rt.acquire(chosen, tier, write=write)
-            except HeteroOOMError:  # budgets this tight can fragment; as HeteroState does:
-                rt.unpin_all()
-                continue
-            for b in chosen:
-                got = rt.data(b, tier)
-                assert torch.all(got == want.get(b.id, 0.0)), f"step {step}: {b.id} on {tier} is stale"
-                if write:
-                    want[b.id] = float(rng.randint(1, 999))
-                    got.fill_(want[b.id])
-            rt.release(chosen, tier)
-        elif r < 0.6:
-            b = rng.choice(blocks)
-            rt.discard(b)
-            want.pop(b.id, None)
-        elif r < 0.7:
-            rt.end_step()
-        elif r < 0.75:
-            rt.drain()
-        else:
-            b = rng.choice(blocks)
-            if b.tiers:
-                try:
-                    value = rt.read(b)
-                except HeteroOOMError:
-                    rt.unpin_all()
-                    continue
-                assert torch.all(value == want.get(b.id, 0.0)), f"step {step}: read {b.id} is stale"
-    rt.drain()
-    invariants(rt)
 
 
 def test_a_block_created_in_a_transaction_needs_no_shadow(rig) -> None:
@@ -1059,22 +1011,8 @@ def test_a_shadow_write_that_fails_after_the_shadow_is_gone_restores_nothing(the
     room), or its transaction may commit first; if that write then fails, there is no shadow to
     put back. Putting it back freed its NVMe slots a second time (found in review). Sim storage
     whose one shadow write fails late."""
-
-    class Pending:
-        def done(self) -> bool:
-            return False
-
-        def wait(self) -> None:
-            raise HeteroIOError("injected: the shadow write failed")
-
-    class FailingShadowWrite(SimStorage):
-        def copy(self, block, src, src_loc, dst, dst_loc):
-            if block.id == "a" and (src, dst) == (HOST, NVME):
-                return Pending()
-            return super().copy(block, src, src_loc, dst, dst_loc)
-
     caps = {DEVICE: 8 * SLOT, HOST: 2 * SLOT, NVME: 2 * SLOT}
-    rt = R.Runtime(caps, SLOT, Scripted(), FailingShadowWrite(caps, SLOT), 0)
+    rt = R.Runtime(caps, SLOT, Scripted(), failing_sim_storage("a", HOST, NVME)(caps, SLOT), 0)
     n1, a, b, c = (TB(x, SLOT // 4) for x in ("n1", "a", "b", "c"))
     rt.create(n1, tier=NVME)
     rt.create(a, tier=DEVICE)

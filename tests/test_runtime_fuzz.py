@@ -1,9 +1,12 @@
-"""Random programs against the runtime over real swap files that hold stale bytes: whatever is
-acquired, read, written, discarded, created zero-filled on NVMe (never written there: its first
-fetch is a fill), rolled back or committed, and whatever transfer fails, every copy read holds
-the block's last written value (zeros for one never written), the budgets and slots account
-exactly for the copies, and a fault-free program's event log replays to the same traffic.
-(Written as a review's fuzzer of the zero-filled NVMe blocks; 1,600 programs passed then.)"""
+"""Random programs against the runtime over real swap files that hold stale bytes, transfers
+running asynchronously under tight budgets with every policy: whatever is acquired (one or two
+blocks, read or written, on the device or the host), read, discarded, created zero-filled on
+NVMe (never written there: its first fetch is a fill), rolled back or committed, at whatever
+step end or drain, and whatever transfer fails, every copy read holds the block's last written
+value (zeros for one never written), the budgets and slots account exactly for the copies, and
+a fault-free program's event log replays to the same traffic. (Budgets are below what wrap()
+accepts, so a block spanning two slots may find no contiguous run: HeteroOOMError, then
+unpin_all as the wrapper does.) Grew from a review's fuzzer of the zero-filled NVMe blocks."""
 
 from __future__ import annotations
 
@@ -38,8 +41,8 @@ def _run(seed: int, rig, faults: bool) -> None:
     sizes = [rng.choice([512, 1024, 1024, 2048]) for _ in range(rng.randint(4, 9))]
     slots = sum(-(-n * 4 // SLOT) for n in sizes)
     policy, prefetch = rng.choice(["lru", "auto", "opt", "hotness"]), rng.choice([0, 1, 2])
-    rt = rig(rng.randint(4, 7), rng.randint(4, 8), 2 * slots + 4, policy=policy, prefetch=prefetch,
-             largest=2 * SLOT)
+    rt = rig(rng.randint(4, 7), rng.randint(4, 8), rng.choice([slots + 4, 2 * slots + 4]), policy=policy,
+             prefetch=prefetch, largest=2 * SLOT)
     _stale_swap_files(rt)
     blocks = [TB(f"b{i}", n) for i, n in enumerate(sizes)]
     want: dict[str, float] = {}  # last value written per block (absent: zeros)
