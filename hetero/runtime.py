@@ -228,7 +228,10 @@ class Runtime:
 
     def _create_zero_on_nvme(self, block: Block) -> bool:
         """Give a new zero-filled block NVMe slots and nothing else (see :meth:`create`); False
-        where NVMe has no room for it."""
+        where NVMe has no room for it. The slots are claimed by an op that writes nothing but,
+        as a write there would, waits for the ops still giving NVMe memory back: if one of
+        those is undone, the claim is too, and the block is left with no copy, as a block whose
+        creation failed (a zero-filled block is made again at its first use)."""
         try:
             self._alloc(block, NVME, set())
         except HeteroOOMError:
@@ -237,6 +240,7 @@ class Runtime:
         self._zero.add(block)
         if self._txn is not None:
             self._txn.created[block] = None
+        self._issue(block, None, NVME, None, self.storage.loc(block, NVME), freed_src=False, prefetch=False)
         return True
 
     def acquire(self, blocks: Sequence[Block], tier: str = DEVICE, write: bool = False,
@@ -1140,7 +1144,9 @@ class Runtime:
         op.start = self.tracker.now()
         if op.dst is not None:
             self.storage.alloc(op.block, op.dst)
-            if op.src is None or op.zero:
+            if op.dst == NVME and op.src is None:
+                pass  # the claim of a never-written copy's slots: nothing to write
+            elif op.src is None or op.zero:
                 self.storage.fill(op.block, op.dst, op.dst_loc, op.init)
                 op.init = None
             else:

@@ -424,6 +424,31 @@ def test_a_cancelled_fill_of_a_never_written_block_gives_its_nvme_copy_back() ->
     invariants(rt)
 
 
+def test_a_never_written_block_waits_for_the_nvme_slots_it_takes_to_be_given_back() -> None:
+    """w, new and zero-filled, takes the NVMe slots z's copy just gave up while an op still
+    reads them (z's fill, queued behind x's write-out). x's write fails: undoing gives z its
+    slots back, so w's claim on them is undone first and w is left with no copy, as a block
+    whose creation failed (it is made again, zero-filled, at its first use). Before, w held the
+    slots with no op and undoing z's hold found them taken (found by review)."""
+    caps = {DEVICE: 4 * SLOT, HOST: 2 * SLOT, NVME: 2 * SLOT}
+    pol = Scripted()
+    rt = guard(R.Runtime(caps, SLOT, pol, failing_sim_storage("x", HOST, NVME)(caps, SLOT), prefetch=1))
+    z, x, y, w = (TB(n, 1024) for n in "zxyw")
+    rt.create(z, tier=NVME)
+    rt.create(x, tier=HOST)
+    rt.create(y, tier=HOST)
+    pol.prefer = ["x", "y", "z"]
+    rt.hint([([z], HOST)])
+    slots = z.nvme_loc
+    rt.create(w, tier=NVME)  # NVMe is full: z's clean copy goes, and w takes its slots
+    assert w.nvme_loc == slots and NVME not in z.tiers
+    with pytest.raises(HeteroIOError):
+        rt.drain()
+    assert z.tiers == {NVME} and z.nvme_loc == slots and z in rt._zero and not w.tiers
+    bounded_drain(rt)
+    invariants(rt)
+
+
 def test_a_discarded_block_stays_discarded_when_an_earlier_transfer_fails(rig) -> None:
     rt = rig(4, 2, 8)
     a = TB("a", 1024)
