@@ -399,20 +399,28 @@ def test_a_never_written_nvme_copy_kept_as_a_shadow_reads_as_zeros_after_a_rollb
     invariants(rt)
 
 
+def _fill_behind_a_failing_write() -> tuple[R.Runtime, TB]:
+    """Sim storage where x's write-out to NVMe fails; z, never written, is fetched into the host
+    slot x leaves, so z's fill queues behind that write. NVMe (2 slots) and host are full."""
+    caps = {DEVICE: 4 * SLOT, HOST: 2 * SLOT, NVME: 2 * SLOT}
+    pol = Scripted()
+    rt = guard(R.Runtime(caps, SLOT, pol, failing_sim_storage("x", HOST, NVME)(caps, SLOT), prefetch=1))
+    z, x, y = (TB(n, 1024) for n in "zxy")
+    rt.create(z, tier=NVME)
+    rt.create(x, tier=HOST)
+    rt.create(y, tier=HOST)
+    pol.prefer = ["x", "y", "z"]
+    rt.hint([([z], HOST)])
+    return rt, z
+
+
 def test_a_cancelled_fill_of_a_never_written_block_gives_its_nvme_copy_back() -> None:
     """z's first fetch (a fill: z was never written) waits for x's write-out from the same host
     slot; meanwhile NVMe takes z's slots back (z looks clean on the host); then x's write fails
     and the fill is cancelled. z gets its NVMe copy back, still reading as zeros, as a block
     whose read was cancelled gets its NVMe copy back (it had none left: found by review)."""
-    caps = {DEVICE: 4 * SLOT, HOST: 2 * SLOT, NVME: 2 * SLOT}
-    pol = Scripted()
-    rt = guard(R.Runtime(caps, SLOT, pol, failing_sim_storage("x", HOST, NVME)(caps, SLOT), prefetch=1))
-    z, x, y, v = (TB(n, 1024) for n in "zxyv")
-    rt.create(z, tier=NVME)
-    rt.create(x, tier=HOST)
-    rt.create(y, tier=HOST)
-    pol.prefer = ["x", "y", "z"]
-    rt.hint([([z], HOST)])  # z's fill queues behind x's write-out
+    rt, z = _fill_behind_a_failing_write()
+    v = TB("v", 1024)
     drops = []
     real_drop = rt._drop
     rt._drop = lambda block, tier: (drops.append((block.id, tier)), real_drop(block, tier))
@@ -430,15 +438,8 @@ def test_a_never_written_block_waits_for_the_nvme_slots_it_takes_to_be_given_bac
     slots back, so w's claim on them is undone first and w is left with no copy, as a block
     whose creation failed (it is made again, zero-filled, at its first use). Before, w held the
     slots with no op and undoing z's hold found them taken (found by review)."""
-    caps = {DEVICE: 4 * SLOT, HOST: 2 * SLOT, NVME: 2 * SLOT}
-    pol = Scripted()
-    rt = guard(R.Runtime(caps, SLOT, pol, failing_sim_storage("x", HOST, NVME)(caps, SLOT), prefetch=1))
-    z, x, y, w = (TB(n, 1024) for n in "zxyw")
-    rt.create(z, tier=NVME)
-    rt.create(x, tier=HOST)
-    rt.create(y, tier=HOST)
-    pol.prefer = ["x", "y", "z"]
-    rt.hint([([z], HOST)])
+    rt, z = _fill_behind_a_failing_write()
+    w = TB("w", 1024)
     slots = z.nvme_loc
     rt.create(w, tier=NVME)  # NVMe is full: z's clean copy goes, and w takes its slots
     assert w.nvme_loc == slots and NVME not in z.tiers
