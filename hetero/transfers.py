@@ -42,8 +42,9 @@ def overlap(a: tuple, b: tuple) -> bool:
 
 class Op:
     """One physical transfer of a block between tiers; or (``src`` None) filling a new block's
-    first copy (on NVMe: claiming the slots of a never-written one, which writes nothing); or (``dst`` None) the hold a freed copy keeps on its memory until the block's
-    earlier transfers are done; or (``compute``) host work on the block's copy (see
+    first copy (on NVMe: claiming the slots of a never-written one, which writes nothing); or
+    (``dst`` None) the hold a freed copy keeps on its memory until the block's earlier transfers
+    are done; or (``compute``) host work on the block's copy (see
     :meth:`Runtime.defer <hetero.runtime.Runtime.defer>`), which reads ``src`` and writes ``dst``.
 
     ``src_loc`` / ``dst_loc`` are the locations at issue time (the block's logical location may
