@@ -127,7 +127,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- CPU Adam (csrc/cpu_adam_bindings.cpp); hetero.optim.kernel is the Python face.
   hetero::bind_cpu_adam(m);
 
-  // ---- Adam queue (csrc/adam_queue.h); hetero.optim.kernel.AdamQueue is the Python face.
+  // ---- Adam queue (csrc/adam_queue.h); hetero.optim.queue.AdamQueue is the Python face.
   py::class_<hetero::AdamJob>(m, "AdamJob", "One queued job of an AdamQueue.")
       .def("wait", &hetero::AdamJob::wait, py::call_guard<py::gil_scoped_release>(),
            "Block (GIL released) until the job ran; raises what it raised, at every wait.")
@@ -143,31 +143,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             for (const py::handle& item : calls) {
               const auto t = item.cast<py::tuple>();
               if (t.size() != 16)
-                throw py::value_error("each call is (param, grad, exp_avg, exp_avg_sq, param_out, "
-                                      "step, lr, beta1, beta2, eps, weight_decay, decoupled, "
-                                      "grad_scale, isa, threads, sqrt)");
-              hetero::AdamHyper h;
-              h.step = t[5].cast<int64_t>();
-              h.lr = t[6].cast<double>();
-              h.beta1 = t[7].cast<double>();
-              h.beta2 = t[8].cast<double>();
-              h.eps = t[9].cast<double>();
-              h.weight_decay = t[10].cast<double>();
-              h.decoupled = t[11].cast<bool>();
-              h.grad_scale = t[12].cast<double>();
+                throw py::value_error("each call is adam_step's arguments in order (param, grad, "
+                                      "exp_avg, exp_avg_sq, param_out, step, lr, beta1, beta2, "
+                                      "eps, weight_decay, decoupled, grad_scale, isa, threads, sqrt)");
               std::optional<at::Tensor> out;
               if (!t[4].is_none()) out = t[4].cast<at::Tensor>();
-              auto c = hetero::prepare_adam_step(
+              const hetero::AdamHyper h = hetero::adam_hyper(
+                  t[5].cast<int64_t>(), t[6].cast<double>(), t[7].cast<double>(),
+                  t[8].cast<double>(), t[9].cast<double>(), t[10].cast<double>(),
+                  t[11].cast<bool>(), t[12].cast<double>());
+              parsed.push_back(hetero::prepare_adam_step(
                   t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), t[2].cast<at::Tensor>(),
                   t[3].cast<at::Tensor>(), out, h, t[13].cast<std::string>(),
-                  t[14].cast<int64_t>(), t[15].cast<std::string>());
-              parsed.push_back(std::move(c));
+                  t[14].cast<int64_t>(), t[15].cast<std::string>()));
             }
             py::gil_scoped_release nogil;
             return q.submit(std::move(parsed));
           },
-          py::arg("calls"), "Queue one job (a list of adam_step argument tuples, checked now); an AdamJob. The "
-           "caller keeps the tensors alive until it is done.")
+          py::arg("calls"),
+          "Queue one job (a list of adam_step argument tuples, checked now); an AdamJob. The "
+          "caller keeps the tensors alive until it is done.")
       .def("shutdown", &hetero::AdamQueue::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Run what is queued, then stop the thread.")
       .def("set_test_hook", &hetero::AdamQueue::set_test_hook, py::arg("delay_s"),

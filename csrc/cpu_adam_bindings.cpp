@@ -12,6 +12,20 @@ namespace py = pybind11;
 
 namespace hetero {
 
+AdamHyper adam_hyper(int64_t step, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool decoupled, double grad_scale) {
+  AdamHyper h;
+  h.step = step;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.decoupled = decoupled;
+  h.grad_scale = grad_scale;
+  return h;
+}
+
 void bind_cpu_adam(py::module_& m) {
   m.def(
       "adam_step",
@@ -19,16 +33,9 @@ void bind_cpu_adam(py::module_& m) {
          const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, int64_t step,
          double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
          double grad_scale, const std::string& isa, int64_t threads, const std::string& sqrt) {
-        hetero::AdamHyper h;
-        h.lr = lr;
-        h.beta1 = beta1;
-        h.beta2 = beta2;
-        h.eps = eps;
-        h.weight_decay = weight_decay;
-        h.decoupled = decoupled;
-        h.step = step;
-        h.grad_scale = grad_scale;
-        hetero::adam_step(param, grad, exp_avg, exp_avg_sq, param_out, h, isa, threads, sqrt);
+        hetero::adam_step(param, grad, exp_avg, exp_avg_sq, param_out,
+                          adam_hyper(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale),
+                          isa, threads, sqrt);
       },
       py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),

@@ -4,8 +4,14 @@
 
 #include <pybind11/pybind11.h>
 
+#include "cpu_adam.h"
+
 namespace hetero {
 
 void bind_cpu_adam(pybind11::module_& m);
+
+// adam_step's hyper-parameters in the order its binding (and the Adam queue's submit) takes them.
+AdamHyper adam_hyper(int64_t step, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool decoupled, double grad_scale);
 
 }  // namespace hetero

@@ -136,12 +136,10 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         raise ValueError(f"step={step} is not accepted; expected the step count after this update (>= 1)")
     tensors = [param, grad, exp_avg, exp_avg_sq]
     if _kernel_applies(tensors, grad, param_out):
-        scale = 1.0 if grad_scale is None else float(grad_scale)  # a tensor: .item(), exact in fp32
-        _ext.adam_step(param, grad, exp_avg, exp_avg_sq, param_out, step=int(step), lr=float(lr),
-                       beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                       weight_decay=float(weight_decay), decoupled=bool(decoupled),
-                       grad_scale=scale, isa=isa or "",
-                       threads=torch.get_num_threads() if threads is None else int(threads), sqrt=sqrt)
+        _ext.adam_step(*native_args(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1,
+                                    beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                    decoupled=decoupled, grad_scale=grad_scale, param_out=param_out,
+                                    isa=isa, threads=threads, sqrt=sqrt))
         return
     if isa is not None:
         why = (_unavailable("kernel") if _ext is None
@@ -154,6 +152,21 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  eps=eps, weight_decay=weight_decay, decoupled=decoupled)
     if param_out is not None:
         param_out.copy_(param)
+
+
+def native_args(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+                eps: float, weight_decay: float, decoupled: bool, grad_scale: Scale = None,
+                param_out: torch.Tensor | None = None, isa: str | None = None,
+                threads: int | None = None, sqrt: str = "torch") -> tuple:
+    """:func:`adam_step_`'s arguments as the C++ kernel takes them, in order: ``_C.adam_step``,
+    and each call of a job ``_C.AdamQueue.submit`` queues (:mod:`hetero.optim.queue`). Defaults
+    resolved here: no ``grad_scale`` is 1 (a tensor is read with ``.item()``, exact in fp32), no
+    ``isa`` the best path, no ``threads`` this thread's torch thread count."""
+    return (param, grad, exp_avg, exp_avg_sq, param_out, int(step), float(lr), float(beta1),
+            float(beta2), float(eps), float(weight_decay), bool(decoupled),
+            1.0 if grad_scale is None else float(grad_scale), isa or "",
+            torch.get_num_threads() if threads is None else int(threads), sqrt)
 
 
 def stream_update_(read: list[torch.Tensor], update: list[torch.Tensor], *, scale: float = 1.0,

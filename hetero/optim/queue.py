@@ -20,7 +20,7 @@ import torch
 from hetero.native import _C as _ext
 
 from ..transfers import Job
-from .kernel import _kernel_applies, adam_step_
+from .kernel import _kernel_applies, adam_step_, native_args
 
 Call = tuple[tuple[torch.Tensor, ...], dict[str, Any]]  # (args, kwargs) of adam_step_
 
@@ -45,7 +45,7 @@ class AdamQueue:
                 for args, kw in calls:
                     adam_step_(*args, **kw)
             return _DONE
-        return _Queued(self._native().submit([_packed(args, kw) for args, kw in calls]), calls)
+        return _Queued(self._native().submit([native_args(*args, **kw) for args, kw in calls]), calls)
 
     def _set_test_hook(self, delay: float, fail_call: int = 0) -> None:
         """Tests only: every queued call from now on first sleeps ``delay`` seconds, and the
@@ -77,15 +77,6 @@ class AdamQueue:
 _LIVE: "weakref.WeakSet[AdamQueue]" = weakref.WeakSet()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: [q._forget_after_fork() for q in list(_LIVE)])
-
-
-def _packed(args: tuple[torch.Tensor, ...], kw: dict[str, Any]) -> tuple:
-    """A call as ``_C.AdamQueue.submit`` takes it (see csrc/bindings.cpp), which checks it."""
-    scale, threads = kw.get("grad_scale"), kw.get("threads")
-    return (*args, kw.get("param_out"), int(kw["step"]), float(kw["lr"]), float(kw["beta1"]),
-            float(kw["beta2"]), float(kw["eps"]), float(kw["weight_decay"]), bool(kw["decoupled"]),
-            1.0 if scale is None else float(scale), kw.get("isa") or "",
-            0 if threads is None else int(threads), kw.get("sqrt", "torch"))
 
 
 class _Queued:
