@@ -696,7 +696,8 @@ class Runtime:
         memory. A prefetch only evicts blocks the policy expects later than the block it brings.
         A block the next acquires create on the device gets its room made the same way (and kept
         from the fetches after it), so its creation waits for no write-back. Transfers are
-        issued and not waited for. Nothing to do while every copy is on the device (a model
+        issued and not waited for. Then host memory above NVMe gets its headroom back
+        (:meth:`_keep_host_headroom`). Nothing to do while every copy is on the device (a model
         within its device budget): the tiers below hold nothing then."""
         if self.prefetch_depth <= 0 or not any(self.tiers[t].used for t in self._below[DEVICE]):
             return
@@ -728,6 +729,7 @@ class Runtime:
             horizon = self.policy.next_use(block_id, tier)
             if not self._prefetch_one(block, target, horizon, keep=made):
                 break
+        self._keep_host_headroom(len(ahead))
 
     def _fetchable(self, block: Block, tier: str) -> bool:
         """Whether a speculative fetch of ``block`` to ``tier`` has work to do and may do it: not
@@ -735,15 +737,26 @@ class Runtime:
         return bool(block.tiers) and tier not in block.tiers and not any(block.pins.values()) and not (
             self._txn is not None and block in self._txn.shadows)
 
-    def _prefetch_one(self, block: Block, target: str, horizon: float, keep: int = 0) -> bool:
-        """Issue the transfers that bring ``block`` to ``target``, leaving ``keep`` device bytes
-        free; False (and nothing more issued) where room cannot be made. Speculative: it never
-        gives up a transaction's shadow (even in the write-backs its evictions cause) and never
-        raises HeteroOOMError."""
-        steps = ([HOST] if HOST not in block.tiers else []) + ([DEVICE] if target == DEVICE else [])
+    def _speculate(self, work: Callable[[], bool]) -> bool:
+        """Run ``work``, moves nobody waits for yet (a prefetch, room made ahead): it never gives
+        up a transaction's shadow, even in the write-backs its evictions cause, and where room
+        cannot be made (no room below for a victim, no contiguous run free) it is False instead
+        of a HeteroOOMError."""
         self._prefetching_now = True
         try:
-            for tier in steps:
+            return work()
+        except HeteroOOMError:
+            return False
+        finally:
+            self._prefetching_now = False
+
+    def _prefetch_one(self, block: Block, target: str, horizon: float, keep: int = 0) -> bool:
+        """Issue the transfers that bring ``block`` to ``target``, leaving ``keep`` device bytes
+        free; False (and nothing more issued) where room cannot be made. Speculative
+        (:meth:`_speculate`)."""
+
+        def bring() -> bool:
+            for tier in ([HOST] if HOST not in block.tiers else []) + ([DEVICE] if target == DEVICE else []):
                 self._placing.add(block)  # its staged host copy must survive making device room
                 try:
                     if not self._make_room(block, tier, horizon, keep if tier == DEVICE else 0):
@@ -754,10 +767,10 @@ class Runtime:
                 self._replicate(block, src, tier, set(), prefetch=True)
                 if tier == DEVICE:
                     self.tracker.prefetched.add(block.id)
-        except HeteroOOMError:  # no room below for a victim, or no contiguous run free
+            return True
+
+        if not self._speculate(bring):
             return False
-        finally:
-            self._prefetching_now = False
         self.tracker.prefetch_issued += 1
         return True
 
@@ -767,13 +780,41 @@ class Runtime:
         the write-backs then run while the current unit computes instead of holding up the
         creation. Like a prefetch, only blocks the policy expects later than ``horizon`` go, and
         it is False where that is not enough."""
-        self._prefetching_now = True
-        try:
-            return self._make_room(block, DEVICE, horizon, keep)
-        except HeteroOOMError:  # no room below for a victim
-            return False
-        finally:
-            self._prefetching_now = False
+        return self._speculate(lambda: self._make_room(block, DEVICE, horizon, keep))
+
+    #: Host memory kept free above NVMe, in slots per block of prefetch depth (and at most
+    #: 1 / HEADROOM_SHARE of the host budget): see _keep_host_headroom.
+    HEADROOM_SLOTS = 2
+    HEADROOM_SHARE = 16
+
+    def _keep_host_headroom(self, horizon: float) -> None:
+        """Keep a little host memory free while NVMe is below it, by writing out now the blocks
+        the policy expects last (only those needed after ``horizon`` accesses, the prefetch's
+        window). Why: a block the device evicts is written back to the host. On a full host
+        that write-back must first wait for an NVMe write to free a slot, and an acquire waiting
+        for device room waits for both; with headroom the write-back lands at once. It matters
+        where the device's evictions are not foreseen (a routed step's new gradients) and costs
+        at most the headroom's bytes of host capacity. Speculative (:meth:`_speculate`)."""
+        host = self.tiers.get(HOST)
+        if host is None or NVME not in self.tiers:
+            return
+        need = min(self.HEADROOM_SLOTS * self.prefetch_depth * self.slot_size,
+                   host.capacity // self.HEADROOM_SHARE)
+        if host.free >= need:
+            return
+        # (not a copy the device's copy may fall back on: it would only come back as a write-back)
+        later = lambda b: (DEVICE not in b.tiers and self._evictable(b, HOST, set())  # noqa: E731
+                           and self.policy.next_use(b.id, HOST) > horizon)
+
+        def write_out() -> bool:
+            while host.free < need:
+                victim = self._victims.choose(HOST, self._on[HOST], self._info, later)
+                if victim is None:
+                    return False
+                self._evict(victim, HOST)
+            return True
+
+        self._speculate(write_out)
 
     def _make_room(self, block: Block, tier: str, horizon: float, keep: int = 0) -> bool:
         """Free room for ``block`` on ``tier`` (beside ``keep`` more bytes, on the device) by

@@ -451,3 +451,127 @@ def test_hints_go_to_the_postponed_work_up_next_in_postponed_order() -> None:
     n = len(asked)
     rt.catch_up({"d"})
     assert asked[n:] == ["e", "f"]  # past d: c was passed by
+
+
+class _SlowNvmeWrites:
+    """SimStorage whose writes to NVMe finish only when waited for or when the disk catches up
+    (:meth:`catch_up`: the time a unit computes), counting the waits: compute held up by an NVMe
+    write."""
+
+    def __init__(self, caps: dict, slot: int) -> None:
+        from hetero.simulator import SimStorage
+
+        outer = self
+
+        class Write:
+            finished = False
+
+            def done(self) -> bool:
+                return self.finished
+
+            def wait(self) -> None:
+                outer.waited += not self.finished
+                self.finished = True
+
+        class Storage(SimStorage):
+            def copy(self, block, src, src_loc, dst, dst_loc):
+                if dst != "nvme":
+                    return super().copy(block, src, src_loc, dst, dst_loc)
+                outer.writes.append(Write())
+                return outer.writes[-1]
+
+        self.storage = Storage(caps, slot)
+        self.writes: list = []
+        self.waited = 0
+
+    def catch_up(self) -> None:
+        for w in self.writes:
+            w.finished = True
+
+
+def _full_host_over_nvme(policy):
+    """A runtime with NVMe below a host filled by 31 never-used blocks and ``p.param``, which is
+    then read on the device (keeping its host copy) around the creation of ``d.grad`` there (its
+    only copy; the device's least recently used block). Returns (runtime, its disk, the 31 host
+    blocks, p.param)."""
+    from hetero.runtime import Runtime
+    from hetero.simulator import SimBlock
+
+    slot = 4096
+    caps = {"device": 2 * slot, "host": 32 * slot, "nvme": 64 * slot}  # headroom: min(2 * 1, 32 / 16) slots
+    disk = _SlowNvmeWrites(caps, slot)
+    rt = Runtime(caps, slot, policy, disk.storage, prefetch=1)
+    held = [SimBlock(f"h{i}.exp_avg", "exp_avg", slot) for i in range(31)]
+    backed = SimBlock("p.param", "param", slot)
+    for block in held + [backed]:
+        rt.create(block, tier="host")
+    assert rt.tiers["host"].free == 0
+    for block, write in ((backed, False), (SimBlock("d.grad", "grad", slot), True), (backed, False)):
+        rt.acquire([block], "device", write=write)
+        rt.release([block], "device")
+    return rt, disk, held, backed
+
+
+@pytest.mark.parametrize("headroom", [True, False])
+def test_host_headroom_lets_a_device_write_back_skip_the_nvme_write(headroom: bool, monkeypatch) -> None:
+    """With NVMe below a full host, a recorded acquire leaves host headroom (the blocks expected
+    last written out): a block the device then evicts lands on the host at once, and the acquire
+    that needed the room waits for no NVMe write. Without headroom the same acquire waits for
+    one."""
+    from hetero.runtime import Runtime
+    from hetero.simulator import SimBlock
+
+    if not headroom:
+        monkeypatch.setattr(Runtime, "HEADROOM_SLOTS", 0)
+    rt, disk, held, _ = _full_host_over_nvme(LRU())
+    if headroom:
+        assert rt.tiers["host"].free >= 2 * 4096
+        assert sum("nvme" in b.tiers for b in held) == 2  # never used: the first LRU victims
+    else:
+        assert rt.tiers["host"].free == 0
+    assert disk.waited == 0 and len(disk.writes) == (2 if headroom else 0)
+    disk.catch_up()  # the headroom's writes ran while the unit computed
+    new = SimBlock("n.grad", "grad", 4096)
+    rt.acquire([new], "device", write=True)  # the device evicts d.grad: the written block goes down
+    assert disk.waited == (0 if headroom else 1)
+    rt.release([new], "device")
+    rt.drain()
+
+
+def test_host_headroom_keeps_the_host_copy_of_a_block_on_the_device() -> None:
+    """Headroom never frees the host copy a device copy falls back on, even the policy's first
+    victim: evicting the device copy would only bring it back as a write-back."""
+
+    class BackedFirst(LRU):
+        def victim_key(self, tier):
+            lru = super().victim_key(tier)
+            return lambda b: (tier == "host" and b.id == "p.param", lru(b))
+
+    rt, _, held, backed = _full_host_over_nvme(BackedFirst())
+    assert rt.tiers["host"].free >= 2 * 4096
+    assert {"device", "host"} <= backed.tiers
+    assert sum("nvme" in b.tiers for b in held) == 2
+    rt.drain()
+
+
+def test_host_headroom_spares_the_blocks_the_prefetch_window_needs() -> None:
+    """Headroom writes out only blocks the policy expects after the next ``2 * prefetch``
+    acquires, in the policy's victim order: not the one it would pick first, which is up next."""
+    from hetero.runtime import Runtime
+    from hetero.simulator import SimBlock
+    from test_runtime_async import Scripted
+
+    slot = 4096
+    caps = {"device": 2 * slot, "host": 32 * slot, "nvme": 64 * slot}
+    policy = Scripted()
+    rt = Runtime(caps, slot, policy, _SlowNvmeWrites(caps, slot).storage, prefetch=1)
+    held = [SimBlock(f"h{i}.exp_avg", "exp_avg", slot) for i in range(32)]
+    for block in held:
+        rt.create(block, tier="host")
+    policy.prefer = [b.id for b in held]  # h0 first
+    policy.up, policy.uses = [("h0.exp_avg", "host")], {"h0.exp_avg": 1}
+    rt.acquire([held[31]], "device")
+    assert [b.id for b in held if "nvme" in b.tiers] == ["h1.exp_avg", "h2.exp_avg"]
+    assert held[0].tiers == {"host"}
+    rt.release([held[31]], "device")
+    rt.drain()
