@@ -111,6 +111,10 @@ class Runtime:
         # Blocks whose NVMe copy was never written and reads as zeros (new optimizer states homed
         # there): a fetch fills the host copy instead of reading the disk.
         self._zero: set[Block] = set()
+        # Host copies a prefetch or hint brought up from NVMe that nothing has used since (this
+        # step): the host headroom leaves them, since writing one out would undo the fetch.
+        self._staged: set[Block] = set()
+        self._short_at: Optional[int] = None  # host bytes used when headroom last found no victim
         self._evicting_from_device = 0  # device evictions in progress (each may place a block on the host)
         # Work postponed per chunk (the optimizer's updates that must move data), run before
         # anything touches one of the chunk's blocks: see postpone().
@@ -261,6 +265,7 @@ class Runtime:
             if not block.tiers:  # first use (or first since a discard): start where it is needed
                 self.create(block, tier=tier)
         self.tracker.event("acquire", tuple(b.id for b in blocks), tier, write, record)
+        self._staged.difference_update(blocks)
         protect = set(blocks)
         group = self.tracker.groups
         self.tracker.groups += 1
@@ -285,8 +290,8 @@ class Runtime:
             if write:
                 others = sorted(block.tiers - {tier}, key=TIER_ORDER.index)
                 keep = self._txn.shadow_tier(block, others) if self._txn is not None else None
-                if (self._txn is not None and keep is None
-                        and block not in self._txn.shadows and block not in self._txn.created):
+                if (self._txn is not None and keep is None and block not in self._txn.shadows
+                        and block not in self._txn.created and block not in self._txn.lost):
                     self._txn.lose(block)
                     log.warning("hetero: %s is written with no older copy to keep; this optimizer "
                                 "step can no longer be undone if a transfer fails", block.id)
@@ -356,6 +361,8 @@ class Runtime:
     def end_step(self) -> None:
         self.tracker.event("end_step")
         self.policy.end_step(self.tracker.step)
+        self._staged.clear()
+        self._short_at = None
         self._victims.invalidate()
         self.tracker.step += 1
         self._pump()
@@ -767,6 +774,8 @@ class Runtime:
                 self._replicate(block, src, tier, set(), prefetch=True)
                 if tier == DEVICE:
                     self.tracker.prefetched.add(block.id)
+                elif src == NVME:
+                    self._staged.add(block)
             return True
 
         if not self._speculate(bring):
@@ -794,17 +803,20 @@ class Runtime:
         that write-back must first wait for an NVMe write to free a slot, and an acquire waiting
         for device room waits for both; with headroom the write-back lands at once. It matters
         where the device's evictions are not foreseen (a routed step's new gradients) and costs
-        at most the headroom's bytes of host capacity. Speculative (:meth:`_speculate`)."""
+        at most the headroom's bytes of host capacity. Never written out: a host copy a device
+        copy falls back on (it would come back as a write-back) and one a prefetch or hint
+        staged for a use still to come (``_staged``; policies without a future, ``lru`` and
+        ``static``, would pick those first). Where nothing may go, it is not tried again until
+        the host's use changes or the step ends. Speculative (:meth:`_speculate`)."""
         host = self.tiers.get(HOST)
         if host is None or NVME not in self.tiers:
             return
         need = min(self.HEADROOM_SLOTS * self.prefetch_depth * self.slot_size,
                    host.capacity // self.HEADROOM_SHARE)
-        if host.free >= need:
+        if host.free >= need or host.used == self._short_at:
             return
-        # (not a copy the device's copy may fall back on: it would only come back as a write-back)
-        later = lambda b: (DEVICE not in b.tiers and self._evictable(b, HOST, set())  # noqa: E731
-                           and self.policy.next_use(b.id, HOST) > horizon)
+        later = lambda b: (DEVICE not in b.tiers and b not in self._staged  # noqa: E731
+                           and self._evictable(b, HOST, set()) and self.policy.next_use(b.id, HOST) > horizon)
 
         def write_out() -> bool:
             while host.free < need:
@@ -814,7 +826,7 @@ class Runtime:
                 self._evict(victim, HOST)
             return True
 
-        self._speculate(write_out)
+        self._short_at = None if self._speculate(write_out) else host.used
 
     def _make_room(self, block: Block, tier: str, horizon: float, keep: int = 0) -> bool:
         """Free room for ``block`` on ``tier`` (beside ``keep`` more bytes, on the device) by
@@ -1329,8 +1341,10 @@ class _Transaction:
         """Which of a written block's other copies (fastest first) to keep as its shadow: the
         slowest (a device copy only when there is no other: it keeps device memory, and the block
         cannot come back to the device before the end), unless the block already has a shadow or
-        did not exist before the transaction."""
-        if block in self.shadows or block in self.created or not others:
+        did not exist before the transaction, or has lost its shadow (a new one would keep a
+        copy written in this transaction: a rollback would restore neither the old value nor the
+        new)."""
+        if block in self.shadows or block in self.created or block in self.lost or not others:
             return None
         kept = [t for t in others if t != DEVICE]
         return kept[-1] if kept else others[-1]

@@ -551,6 +551,40 @@ def test_rollback_restores_a_block_whose_older_copy_was_evicted_before_the_write
     assert not complete or torch.equal(rt.read(b), torch.full((1024,), 2.0))
 
 
+def test_a_block_whose_shadow_was_given_up_gets_no_new_shadow_at_its_next_write(rig) -> None:
+    """Found in review: NVMe needed the room of a's shadow, so a was marked lost; a's second write
+    in the same transaction then kept its mid-transaction copy as a new shadow, and the rollback
+    restored that (2.0): neither the value before the transaction (0.0) nor the latest (3.0). A
+    lost block keeps its latest value, as the optimizer expects of a lost chunk."""
+    rt = rig(1, 2, 3, policy="lru")
+    a, b, c, e = (TB(n, 1024) for n in "abce")
+
+    def write(block: TB, value: float) -> None:
+        rt.acquire([block], HOST, write=True)
+        rt.data(block, HOST).fill_(value)
+        rt.release([block], HOST)
+
+    def touch(block: TB) -> None:
+        rt.acquire([block], HOST)
+        rt.release([block], HOST)
+
+    rt.create(a, tier=NVME)  # zeros
+    rt.begin()
+    write(a, 2.0)  # a's shadow: its NVMe copy
+    write(b, 5.0)
+    touch(b)
+    write(c, 6.0)  # the host is full: a goes to NVMe beside its shadow
+    write(e, 7.0)  # b goes to NVMe: NVMe is full
+    touch(c)
+    touch(a)  # a comes back; the block it displaces needs NVMe room: a's shadow is given up
+    assert a in rt._txn.lost and a not in rt._txn.shadows
+    write(a, 3.0)
+    assert a not in rt._txn.shadows
+    rt.rollback()
+    assert torch.equal(rt.read(a), torch.full((1024,), 3.0))
+    invariants(rt)
+
+
 def test_failed_optimizer_step_under_host_pressure_changes_nothing(swapdir, faults, monkeypatch) -> None:
     monkeypatch.setenv("HETERO_DEFER_STEP", "0")  # the all-or-nothing step and its shadows
     model, opt, rt = ready_for_step(swapdir + "/count", 0.2, 0.21, "auto")
