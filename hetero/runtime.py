@@ -114,7 +114,6 @@ class Runtime:
         # Host copies a prefetch or hint brought up from NVMe that nothing has used since (this
         # step): the host headroom leaves them, since writing one out would undo the fetch.
         self._staged: set[Block] = set()
-        self._short_at: Optional[int] = None  # host bytes used when headroom last found no victim
         self._evicting_from_device = 0  # device evictions in progress (each may place a block on the host)
         # Work postponed per chunk (the optimizer's updates that must move data), run before
         # anything touches one of the chunk's blocks: see postpone().
@@ -362,7 +361,6 @@ class Runtime:
         self.tracker.event("end_step")
         self.policy.end_step(self.tracker.step)
         self._staged.clear()
-        self._short_at = None
         self._victims.invalidate()
         self.tracker.step += 1
         self._pump()
@@ -570,11 +568,11 @@ class Runtime:
         """Inside a transaction, make sure a write of ``block`` on ``tier`` will keep an older copy:
         if its only copy is on ``tier``, copy it one tier down first (HeteroOOMError if there is
         no room). False when there is no tier below to hold one. A block the transaction created
-        needs none: a rollback discards it."""
+        needs none (a rollback discards it), nor one already lost (it keeps its latest value)."""
         assert self._txn is not None
         self.tracker.event("ensure_shadow", block.id, tier)
-        if (block in self._txn.shadows or block in self._txn.created or block.tiers - {tier}
-                or not block.tiers):
+        if (block in self._txn.shadows or block in self._txn.created or block in self._txn.lost
+                or block.tiers - {tier} or not block.tiers):
             return True
         below = [t for t in TIER_ORDER[TIER_ORDER.index(tier) + 1:] if t in self.tiers]
         if not below:
@@ -674,15 +672,23 @@ class Runtime:
         self._unreserve(block, tier)
 
     def _rollback(self, txn: "_Transaction") -> None:
-        """Put every block written in ``txn`` back to its shadow; discard blocks it created."""
+        """Put every block written in ``txn`` back to its shadow; discard blocks it created. A
+        chunk with a block that cannot be undone (``lost``) keeps the transaction's writes in all
+        its blocks instead, so that they stay consistent with each other (new parameters with
+        new moments, not old ones)."""
         try:
             self.drain()
         except HeteroIOError:
             self.drain()  # _recover undid the failure; wait for the rest
+        kept = {b.chunk_id for b in txn.lost}
         for block in txn.created:
-            for tier in list(block.tiers):
-                self._free(block, tier)
+            if block.chunk_id not in kept:
+                for tier in list(block.tiers):
+                    self._free(block, tier)
         for block, (tier, loc) in txn.shadows.items():
+            if block.chunk_id in kept:
+                self._release_shadow(block, tier, loc)
+                continue
             for other in list(block.tiers):
                 self._free(block, other)
             if tier != DEVICE:
@@ -791,10 +797,12 @@ class Runtime:
         it is False where that is not enough."""
         return self._speculate(lambda: self._make_room(block, DEVICE, horizon, keep))
 
-    #: Host memory kept free above NVMe, in slots per block of prefetch depth (and at most
-    #: 1 / HEADROOM_SHARE of the host budget): see _keep_host_headroom.
+    #: Host memory kept free above NVMe, in slots per unit of ``prefetch`` (and at most
+    #: 1 / HEADROOM_SHARE of the host budget), and how far down the policy's ranking of host
+    #: blocks a victim for it is looked for: see _keep_host_headroom.
     HEADROOM_SLOTS = 2
     HEADROOM_SHARE = 16
+    HEADROOM_SCAN = 32
 
     def _keep_host_headroom(self, horizon: float) -> None:
         """Keep a little host memory free while NVMe is below it, by writing out now the blocks
@@ -806,27 +814,29 @@ class Runtime:
         at most the headroom's bytes of host capacity. Never written out: a host copy a device
         copy falls back on (it would come back as a write-back) and one a prefetch or hint
         staged for a use still to come (``_staged``; policies without a future, ``lru`` and
-        ``static``, would pick those first). Where nothing may go, it is not tried again until
-        the host's use changes or the step ends. Speculative (:meth:`_speculate`)."""
+        ``static``, would pick those first). Only the policy's first ``HEADROOM_SCAN`` choices
+        are looked at: where those may not go, the blocks after them are ones it would rather
+        keep, and every acquire would otherwise search the whole host tier in vain (a host full
+        of device-backed copies). Speculative (:meth:`_speculate`)."""
         host = self.tiers.get(HOST)
         if host is None or NVME not in self.tiers:
             return
         need = min(self.HEADROOM_SLOTS * self.prefetch_depth * self.slot_size,
                    host.capacity // self.HEADROOM_SHARE)
-        if host.free >= need or host.used == self._short_at:
+        if host.free >= need:
             return
         later = lambda b: (DEVICE not in b.tiers and b not in self._staged  # noqa: E731
                            and self._evictable(b, HOST, set()) and self.policy.next_use(b.id, HOST) > horizon)
 
         def write_out() -> bool:
             while host.free < need:
-                victim = self._victims.choose(HOST, self._on[HOST], self._info, later)
+                victim = self._victims.choose(HOST, self._on[HOST], self._info, later, self.HEADROOM_SCAN)
                 if victim is None:
                     return False
                 self._evict(victim, HOST)
             return True
 
-        self._short_at = None if self._speculate(write_out) else host.used
+        self._speculate(write_out)
 
     def _make_room(self, block: Block, tier: str, horizon: float, keep: int = 0) -> bool:
         """Free room for ``block`` on ``tier`` (beside ``keep`` more bytes, on the device) by

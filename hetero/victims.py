@@ -76,9 +76,10 @@ class Victims:
             r.stale.add(block)
 
     def choose(self, tier: str, blocks: Iterable[Block], info: Callable[[Block], BlockInfo],
-               eligible: Callable[[Block], bool]) -> Optional[Block]:
+               eligible: Callable[[Block], bool], within: Optional[int] = None) -> Optional[Block]:
         """The policy's victim among ``blocks`` (every block on ``tier``) that are ``eligible``;
-        None if none is."""
+        None if none is. ``within``: only if it is among the policy's first ``within`` choices
+        (eligible or not; a policy without a ranking key has every candidate weighed anyway)."""
         key = self.policy.victim_key(tier) if self._keyed else None
         if key is None:
             candidates = [info(b) for b in blocks if eligible(b)]
@@ -100,7 +101,8 @@ class Victims:
                 r.insert(rank(b), b)
         r.stale.clear()
         entries = r.entries
-        for i in range(len(r.ranks) - 1, -1, -1):
+        last = -1 if within is None else max(-1, len(r.ranks) - 1 - within)
+        for i in range(len(r.ranks) - 1, last, -1):
             b = entries[r.ranks[i][-1]][1]
             if eligible(b):
                 return b

@@ -585,6 +585,35 @@ def test_a_block_whose_shadow_was_given_up_gets_no_new_shadow_at_its_next_write(
     invariants(rt)
 
 
+def test_a_rollback_keeps_the_whole_chunk_of_a_block_it_cannot_undo(rig) -> None:
+    """Found in review: a chunk's first moment was written with no older copy to keep (lost) and
+    its second kept a shadow; the rollback restored the second alone, leaving the chunk's new
+    parameters beside an old moment while the optimizer kept the chunk's new step count. Now a
+    chunk with a lost block keeps the transaction's writes in all its blocks, a block created
+    in it included."""
+    rt = rig(2, 4, 2, policy="lru")
+    m, v, new, other = TB("c.exp_avg", 1024), TB("c.exp_avg_sq", 1024), TB("c.master", 1024), TB("d", 1024)
+    m.chunk_id = v.chunk_id = new.chunk_id = "c"
+    rt.create(v, tier=NVME)  # zeros, then a host copy beside the NVMe one
+    rt.acquire([v], HOST)
+    rt.release([v], HOST)
+    rt.create(m, tier=HOST)  # its only copy
+    rt.create(other, tier=NVME)
+    rt.begin()
+    for block, value in ((v, 1.0), (m, 2.0), (new, 3.0), (other, 4.0)):
+        rt.acquire([block], HOST, write=True)
+        rt.data(block, HOST).fill_(value)
+        rt.release([block], HOST)
+    assert v in rt._txn.shadows and m in rt._txn.lost and new in rt._txn.created
+    assert other in rt._txn.shadows
+    assert rt.ensure_shadow(m, HOST)  # lost: nothing to keep, nothing copied down (no shadow given up)
+    assert m.tiers == {HOST} and v in rt._txn.shadows and rt.tiers[NVME].used == 2 * 4096
+    rt.rollback()
+    assert [rt.read(b)[0].item() for b in (v, m, new)] == [1.0, 2.0, 3.0]
+    assert torch.equal(rt.read(other), torch.zeros(1024))  # another chunk: undone
+    invariants(rt)
+
+
 def test_failed_optimizer_step_under_host_pressure_changes_nothing(swapdir, faults, monkeypatch) -> None:
     monkeypatch.setenv("HETERO_DEFER_STEP", "0")  # the all-or-nothing step and its shadows
     model, opt, rt = ready_for_step(swapdir + "/count", 0.2, 0.21, "auto")

@@ -45,6 +45,10 @@ def _run(seed: int, rig, faults: bool) -> None:
              prefetch=prefetch, largest=2 * SLOT)
     _stale_swap_files(rt)
     blocks = [TB(f"b{i}", n) for i, n in enumerate(sizes)]
+    if rng.random() < 0.5:  # chunks of two blocks: a rollback keeps a chunk whole where one is lost
+        blocks = [TB(f"c{i // 2}.b{i}", n) for i, n in enumerate(sizes)]
+        for b in blocks:
+            b.chunk_id = b.id.split(".")[0]  # (as the simulator's blocks take it from the id)
     want: dict[str, float] = {}  # last value written per block (absent: zeros)
     before_txn: dict[str, float] = {}  # per block shadowed in the open transaction: its value then
     failed = False
@@ -52,10 +56,13 @@ def _run(seed: int, rig, faults: bool) -> None:
     def roll_back() -> None:
         txn = rt._txn
         shadows, created = set(txn.shadows), set(txn.created)
+        kept = {b.chunk_id for b in txn.lost}
         try:
             rt.rollback()
         finally:
             for b in blocks:
+                if b.chunk_id in kept:
+                    continue
                 if b in shadows:
                     if b.id in before_txn:
                         want[b.id] = before_txn[b.id]

@@ -80,7 +80,7 @@ def checked(monkeypatch):
     real = Victims.choose
     calls = {"n": 0}
 
-    def choose(self, tier, blocks, info, eligible):
+    def choose(self, tier, blocks, info, eligible, within=None):
         # The ranking's stored keys are current, except for blocks marked as changed: a copy
         # change or an observation the runtime did not report would leave a stale key even
         # where it happens not to change the answer.
@@ -92,7 +92,10 @@ def checked(monkeypatch):
                     assert tier in b.tiers, f"{b.id} is ranked on {tier} without a copy there"
                     assert (key(info(b)), b.id) == k, f"stale key of {b.id} on {tier}"
             assert all(b.id in r.entries or b in r.stale for b in blocks), f"a block on {tier} is not ranked"
-        got = real(self, tier, blocks, info, eligible)
+        got = real(self, tier, blocks, info, eligible, within)
+        key = self.policy.victim_key(tier) if self._keyed else None
+        if within is not None and key is not None:  # only the ranking's first ``within`` may go
+            blocks = sorted(blocks, key=lambda b: (key(info(b)), b.id), reverse=True)[:within]
         candidates = [info(b) for b in blocks if eligible(b)]
         want = self.policy.victim(tier, candidates).id if candidates else None
         assert (got.id if got is not None else None) == want

@@ -252,12 +252,12 @@ class Adam(torch.optim.Optimizer):
                 rt.drain()
         except BaseException:
             # Chunks whose writes could not all be undone (no room was left for their older
-            # copies: logged) keep this step, step counts included, so each chunk stays consistent.
-            # (Chunks the step did not reach may have no states yet: look at the blocks they have.)
+            # copies: logged) keep this step, step counts included: the rollback keeps every
+            # block of such a chunk as written, states made in this step included, so each chunk
+            # stays consistent. (Chunks the step did not reach may have no states yet: look at
+            # the blocks they have.)
             kept = {id(c) for c, _, _ in steps if txn is not None and any(b in txn.lost for b in c.blocks.values())}
             for chunk, slot, n in steps:
-                # A kept chunk whose states were new in this step lost them in the rollback (the
-                # runtime discards blocks a transaction created): its states start afresh.
                 if id(chunk) not in kept or not _has_states(chunk):
                     slot.step = n
             if kept:
