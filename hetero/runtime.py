@@ -827,31 +827,30 @@ class Runtime:
             return
         later = lambda b: (DEVICE not in b.tiers and b not in self._staged  # noqa: E731
                            and self._evictable(b, HOST, set()) and self.policy.next_use(b.id, HOST) > horizon)
-
-        def write_out() -> bool:
-            while host.free < need:
-                victim = self._victims.choose(HOST, self._on[HOST], self._info, later, self.HEADROOM_SCAN)
-                if victim is None:
-                    return False
-                self._evict(victim, HOST)
-            return True
-
-        self._speculate(write_out)
+        self._speculate(lambda: self._evict_until(HOST, need, later, self.HEADROOM_SCAN))
 
     def _make_room(self, block: Block, tier: str, horizon: float, keep: int = 0) -> bool:
         """Free room for ``block`` on ``tier`` (beside ``keep`` more bytes, on the device) by
         evicting only blocks needed after ``horizon``: bytes of its budget, then (below the
         device) a free run of slots or units in which the placement cannot fail, so that the
         placement itself evicts nothing."""
-        t = self.tiers[tier]
-        need = self._size_on(tier, block) + keep
         later = lambda b: self._evictable(b, tier, {block}) and self.policy.next_use(b.id, tier) > horizon  # noqa: E731
+        if not self._evict_until(tier, self._size_on(tier, block) + keep, later):
+            return False
+        return tier == DEVICE or self._make_run(block, tier, later)
+
+    def _evict_until(self, tier: str, need: int, eligible: Callable[[Block], bool],
+                     within: Optional[int] = None) -> bool:
+        """Evict the policy's victims among ``eligible`` blocks (among its first ``within``
+        choices, see :meth:`Victims.choose <hetero.victims.Victims.choose>`) until ``tier`` has
+        ``need`` bytes of its budget free; False where they run out first."""
+        t = self.tiers[tier]
         while t.free < need:
-            victim = self._victims.choose(tier, self._on[tier], self._info, later)
+            victim = self._victims.choose(tier, self._on[tier], self._info, eligible, within)
             if victim is None:
                 return False
             self._evict(victim, tier)
-        return tier == DEVICE or self._make_run(block, tier, later)
+        return True
 
     # ------------------------------------------------------------------ logical placement
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import hetero
 from hetero.policies import LRU, BlockInfo
 from hetero.tiers import SlotPool, Tier
+from test_runtime_async import SLOT, Scripted, rig  # noqa: F401  (rig: a fixture)
 
 
 def _first_fit(owners: list, n: int):
@@ -555,17 +556,14 @@ def test_host_headroom_keeps_the_host_copy_of_a_block_on_the_device() -> None:
     rt.drain()
 
 
-def test_host_headroom_spares_the_blocks_the_prefetch_window_needs() -> None:
+def test_host_headroom_spares_the_blocks_the_prefetch_window_needs(rig) -> None:
     """Headroom writes out only blocks the policy expects after the next ``2 * prefetch``
     acquires, in the policy's victim order: not the one it would pick first, which is up next."""
-    from hetero.runtime import Runtime
     from hetero.simulator import SimBlock
-    from test_runtime_async import Scripted
 
-    slot = 4096
-    caps = {"device": 2 * slot, "host": 32 * slot, "nvme": 64 * slot}
+    slot = SLOT
     policy = Scripted()
-    rt = Runtime(caps, slot, policy, _SlowNvmeWrites(caps, slot).storage, prefetch=1)
+    rt = rig(2, 32, 64, policy=policy, prefetch=1, sim=True)
     held = [SimBlock(f"h{i}.exp_avg", "exp_avg", slot) for i in range(32)]
     for block in held:
         rt.create(block, tier="host")
@@ -587,16 +585,14 @@ def test_host_headroom_is_two_slots_per_prefetch_up_to_a_sixteenth_of_the_host(h
     rt.drain()
 
 
-def test_host_headroom_leaves_what_a_hint_staged_for_its_use() -> None:
+def test_host_headroom_leaves_what_a_hint_staged_for_its_use(rig) -> None:
     """Found in review: with ``lru`` (no predicted future) the state a hint had just read from
     NVMe for the optimizer's next update, used a step ago, was the headroom's first victim at
     the next acquire, and the update read it from NVMe a second time."""
-    from hetero.runtime import Runtime
-    from hetero.simulator import SimBlock, SimStorage
+    from hetero.simulator import SimBlock
 
-    slot = 4096
-    caps = {"device": 2 * slot, "host": 16 * slot, "nvme": 64 * slot}
-    rt = Runtime(caps, slot, LRU(), SimStorage(caps, slot), prefetch=1)
+    slot = SLOT
+    rt = rig(2, 16, 64, policy=LRU(), prefetch=1, sim=True)
     state = SimBlock("x.exp_avg", "exp_avg", slot)
     rt.create(state, init=object(), tier="nvme")  # written, on NVMe only
     for i in range(15):
@@ -614,18 +610,15 @@ def test_host_headroom_leaves_what_a_hint_staged_for_its_use() -> None:
     assert rt.tracker.traffic["nvme->host"] == slot
 
 
-def test_host_headroom_leaves_what_its_own_prefetch_staged() -> None:
+def test_host_headroom_leaves_what_its_own_prefetch_staged(rig) -> None:
     """Found in review: the prefetch window names only confirmed accesses, so a block the
     prefetch had just staged from NVMe (its next use after two unconfirmed ones) could be past
     the window's horizon and the policy's first victim; the headroom then dropped it."""
-    from hetero.runtime import Runtime
-    from hetero.simulator import SimBlock, SimStorage
-    from test_runtime_async import Scripted
+    from hetero.simulator import SimBlock
 
-    slot = 4096
-    caps = {"device": 2 * slot, "host": 16 * slot, "nvme": 64 * slot}
+    slot = SLOT
     policy = Scripted()
-    rt = Runtime(caps, slot, policy, SimStorage(caps, slot), prefetch=1)
+    rt = rig(2, 16, 64, policy=policy, prefetch=1, sim=True)
     a = SimBlock("a.param", "param", slot)
     rt.create(a, tier="device")
     staged = SimBlock("y.param", "param", slot)
@@ -644,16 +637,13 @@ def test_host_headroom_leaves_what_its_own_prefetch_staged() -> None:
     rt.drain()
 
 
-def test_host_headroom_never_gives_up_a_transaction_shadow() -> None:
+def test_host_headroom_never_gives_up_a_transaction_shadow(rig) -> None:
     """The headroom is speculative: with NVMe holding only shadows it frees nothing rather than
     give one up (by the review)."""
-    from hetero.policies import make_policy
-    from hetero.runtime import Runtime
-    from hetero.simulator import SimBlock, SimStorage
+    from hetero.simulator import SimBlock
 
-    slot = 4096
-    caps = {"device": 2 * slot, "host": 16 * slot, "nvme": 2 * slot}
-    rt = Runtime(caps, slot, make_policy("lru"), SimStorage(caps, slot), prefetch=1)
+    slot = SLOT
+    rt = rig(2, 16, 2, policy="lru", prefetch=1, sim=True)
     states = [SimBlock(f"s{i}.exp_avg", "exp_avg", slot) for i in range(2)]
     for block in states:
         rt.create(block, init=object(), tier="nvme")  # NVMe full
@@ -671,17 +661,16 @@ def test_host_headroom_never_gives_up_a_transaction_shadow() -> None:
     rt.commit()
 
 
-def test_host_headroom_looks_only_at_the_policys_first_choices(monkeypatch) -> None:
+def test_host_headroom_looks_only_at_the_policys_first_choices(rig, monkeypatch) -> None:
     """Found in review: with no block it may write out (here every host copy backs a device copy)
     each recorded acquire weighed the whole host tier in vain, 12 ms per acquire over 4000
     blocks. It looks at the policy's first HEADROOM_SCAN choices only."""
     from hetero import victims
     from hetero.runtime import Runtime
-    from hetero.simulator import SimBlock, SimStorage
+    from hetero.simulator import SimBlock
 
-    slot, n = 4096, 96
-    caps = {"device": n * slot, "host": n * slot, "nvme": 4 * n * slot}
-    rt = Runtime(caps, slot, LRU(), SimStorage(caps, slot), prefetch=1)
+    slot, n = SLOT, 96
+    rt = rig(n, n, 4 * n, policy=LRU(), prefetch=1, sim=True)
     blocks = [SimBlock(f"b{i:02}.param", "param", slot) for i in range(n)]
     for block in blocks:
         rt.create(block, tier="host")

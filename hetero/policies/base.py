@@ -205,12 +205,12 @@ class Timeline:
             if not self.recorded:
                 continue
             far, self._far = self._far, None
-            if self.pos < len(self.recorded) and self.recorded[self.pos][:2] == (b, tier):
+            if self._is(self.pos, b, tier):
                 self._pass(self.pos)
                 self.streak += 1
             else:
                 self.streak = 0
-                if far is not None and far < len(self.recorded) and self.recorded[far][:2] == (b, tier):
+                if far is not None and self._is(far, b, tier):
                     self._resync(far - 1)  # the access before was right: the step is there
                     self._resync(far)
                 else:
@@ -228,6 +228,10 @@ class Timeline:
 
     #: recorded accesses a resynchronization may skip on one access's word (see the class)
     NEAR = 16
+
+    def _is(self, p: int, block: str, tier: str) -> bool:
+        """Whether recorded access ``p`` is ``block`` on ``tier``."""
+        return p < len(self.recorded) and self.recorded[p][:2] == (block, tier)
 
     def _resync(self, p: int) -> None:
         """Move the position past recorded access ``p``, which the current access matched; the
