@@ -1195,7 +1195,15 @@ class Runtime:
         op = Op(next(self._seq), block, src, dst, src_loc, dst_loc, freed_src, prefetch, init,
                 self.tracker.now())
         op.zero = zero
-        op.deps = self._ops.conflicts(op)
+        if freed_src:
+            op.freed = self._size_on(src, block)
+        # Memory an unfinished eviction gave back is only free once it finished: if it fails,
+        # undoing it takes the bytes back. So a placement waits for as many of its tier's
+        # unfinished evictions (oldest first) as the tier would be over budget with them all
+        # undone: with those done, undoing any of the others keeps the tier within its budget.
+        # (Slots an eviction still reads are conflicts of their own.)
+        t = self.tiers.get(dst) if dst is not None else None
+        op.deps = self._ops.conflicts(op, 0 if t is None else t.used + self._ops.freeing(dst) - t.capacity)
         self._ops.add(op)
         if not op.deps:
             self._start(op)

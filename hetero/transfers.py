@@ -52,12 +52,13 @@ class Op:
     was issued (an eviction), so undoing the op gives it back. ``shadow``: the op writes the
     pre-write copy a transaction keeps (not the block's own copy) one tier down. ``zero``: its
     ``src`` copy is a never-written NVMe copy that reads as zeros (a transfer out of it is a
-    fill; the hold of a freed one gives the mark back if undone).
+    fill; the hold of a freed one gives the mark back if undone). ``freed``: the bytes of
+    ``src``'s budget a ``freed_src`` op gave back (set by the runtime before the op is added).
     """
 
     __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
                  "init", "deps", "handle", "state", "start", "restorable", "compute", "reads", "writes",
-                 "shadow", "zero")
+                 "shadow", "zero", "freed")
 
     def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
                  dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
@@ -72,6 +73,7 @@ class Op:
         self.compute = compute
         self.shadow: Any = None  # the transaction whose shadow it moves
         self.zero = False
+        self.freed = 0
         # the memory it reads and writes, fixed at issue (conflicts are judged on these)
         self.reads = () if src is None else regions(block, src, src_loc)
         self.writes = () if dst is None else regions(block, dst, dst_loc)
@@ -121,13 +123,15 @@ class Deferred:
 
 class InFlight:
     """Issued, unfinished ops in issue order, indexed by block, by the memory they read and
-    write (in units of ``unit`` bytes: the slot size), and (evictions) by the tier they free."""
+    write (in units of ``unit`` bytes: the slot size), and (evictions) by the tier they free,
+    with the bytes of its budget they gave back (:meth:`freeing`)."""
 
     def __init__(self, unit: int) -> None:
         self.unit = max(unit, PAGE)
         self._ops: dict[Op, None] = {}
         self._by_block: dict[Any, list[Op]] = {}
         self._freeing: dict[str, dict[Op, None]] = {}
+        self._freeing_bytes: dict[str, int] = {}
         self._readers: dict[tuple, dict[Op, None]] = {}
         self._writers: dict[tuple, dict[Op, None]] = {}
 
@@ -154,16 +158,19 @@ class InFlight:
     def _keys(self, r: tuple) -> range:
         return range(r[2] // self.unit, (r[3] - 1) // self.unit + 1)
 
-    def conflicts(self, op: Op) -> list[Op]:
+    def freeing(self, tier: str) -> int:
+        """Bytes of ``tier``'s budget that unfinished ``freed_src`` ops gave back: undone, they
+        would take them again."""
+        return self._freeing_bytes.get(tier, 0)
+
+    def conflicts(self, op: Op, over: int = 0) -> list[Op]:
         """Unfinished ops that must finish before ``op`` starts, in issue order: those of the same
         block, those using memory it writes or writing memory it reads, and (for an op writing a
-        tier) evictions still giving that tier's memory back."""
+        tier that would be ``over`` budget by that many bytes with its unfinished evictions all
+        undone: see :meth:`Runtime._issue <hetero.runtime.Runtime._issue>`) evictions giving
+        back at least that many of the tier's bytes: those already among the others, then the
+        oldest."""
         deps: dict[Op, None] = dict.fromkeys(self._by_block.get(op.block, ()))
-        if op.dst is not None:
-            # Memory (and the budget of slots) freed by an earlier op is only free once that op
-            # finished: a later placement may use the bytes elsewhere, and if the earlier op
-            # fails, undoing it takes them back.
-            deps.update(self._freeing.get(op.dst, {}))
         # Device copies are per block: they only ever conflict with ops of the same block.
         for w in op.writes:
             if w[0] == DEVICE:
@@ -181,6 +188,15 @@ class InFlight:
                     if p not in deps and any(overlap(r, w) for w in p.writes):
                         deps[p] = None
         deps.pop(op, None)
+        freeing = self._freeing.get(op.dst, {}) if op.dst is not None else {}
+        if over > 0 and freeing:
+            over -= sum(p.freed for p in deps if p in freeing)
+            for p in freeing:
+                if over <= 0:
+                    break
+                if p not in deps:
+                    deps[p] = None
+                    over -= p.freed
         return sorted(deps, key=lambda p: p.seq)
 
     def add(self, op: Op) -> None:
@@ -188,6 +204,7 @@ class InFlight:
         self._by_block.setdefault(op.block, []).append(op)
         if op.freed_src:
             self._freeing.setdefault(op.src, {})[op] = None
+            self._freeing_bytes[op.src] = self._freeing_bytes.get(op.src, 0) + op.freed
         for index, regions in ((self._readers, op.reads), (self._writers, op.writes)):
             for r in regions:
                 if r[0] != DEVICE:
@@ -203,8 +220,10 @@ class InFlight:
         if op.freed_src:
             freeing = self._freeing[op.src]
             del freeing[op]
+            self._freeing_bytes[op.src] -= op.freed
             if not freeing:
                 del self._freeing[op.src]
+                del self._freeing_bytes[op.src]
         for index, regions in ((self._readers, op.reads), (self._writers, op.writes)):
             for r in regions:
                 if r[0] != DEVICE:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hetero
+from hetero.errors import HeteroIOError
 from hetero.policies import LRU, BlockInfo
 from hetero.tiers import SlotPool, Tier
 from test_runtime_async import SLOT, Scripted, rig  # noqa: F401  (rig: a fixture)
@@ -467,6 +468,7 @@ class _SlowNvmeWrites:
 
         class Write:
             finished = False
+            fails = False  # a test's: waiting raises HeteroIOError
 
             def done(self) -> bool:
                 return self.finished
@@ -474,6 +476,8 @@ class _SlowNvmeWrites:
             def wait(self) -> None:
                 outer.waited += not self.finished
                 self.finished = True
+                if self.fails:
+                    raise HeteroIOError("injected write failure")
 
         class Storage(SimStorage):
             def copy(self, block, src, src_loc, dst, dst_loc):
@@ -491,11 +495,13 @@ class _SlowNvmeWrites:
             w.finished = True
 
 
-def _full_host_over_nvme(policy, host_slots: int = 32, prefetch: int = 1):
+def _full_host_over_nvme(policy, host_slots: int = 32, prefetch: int = 1, free_first: bool = False):
     """A runtime with NVMe below a host filled by never-used blocks and ``p.param``, which is
     then read on the device (keeping its host copy) around the creation of ``d.grad`` there (its
     only copy; the device's least recently used block). Returns (runtime, its disk, the other
-    host blocks, p.param). With the defaults the headroom is min(2 * 1, 32 / 16) = 2 slots."""
+    host blocks, p.param). With the defaults the headroom is min(2 * 1, 32 / 16) = 2 slots.
+    ``free_first``: the first host block is discarded before that (its slot, the lowest, is
+    free)."""
     from hetero.runtime import Runtime
     from hetero.simulator import SimBlock
 
@@ -508,6 +514,8 @@ def _full_host_over_nvme(policy, host_slots: int = 32, prefetch: int = 1):
     for block in held + [backed]:
         rt.create(block, tier="host")
     assert rt.tiers["host"].free == 0
+    if free_first:
+        rt.discard(held.pop(0))
     for block, write in ((backed, False), (SimBlock("d.grad", "grad", slot), True), (backed, False)):
         rt.acquire([block], "device", write=write)
         rt.release([block], "device")
@@ -538,6 +546,49 @@ def test_host_headroom_lets_a_device_write_back_skip_the_nvme_write(headroom: bo
     assert disk.waited == (0 if headroom else 1)
     rt.release([new], "device")
     rt.drain()
+
+
+@pytest.mark.parametrize("free_first", [False, True])
+def test_a_placement_waits_only_for_the_evictions_whose_bytes_it_takes(free_first: bool) -> None:
+    """An eviction gives its bytes back at once, but they are free for good only when its write
+    has finished: undone after a failure, it takes them back. A placement on that tier waits for
+    the oldest unfinished evictions whose bytes it needs (here the headroom's writes to NVMe,
+    still running), and for none where the tier has room for it beside all their bytes (a slot
+    freed for good)."""
+    from hetero.simulator import SimBlock
+
+    rt, disk, held, _ = _full_host_over_nvme(LRU(), free_first=free_first)
+    host = rt.tiers["host"]
+    assert len(disk.writes) == (1 if free_first else 2)  # the headroom's: 2 slots, less the free one
+    assert host.free == 2 * 4096 and rt._ops.freeing("host") == len(disk.writes) * 4096
+    new = SimBlock("n.grad", "grad", 4096)
+    rt.acquire([new], "device", write=True)  # the device evicts d.grad: the written block goes down
+    assert disk.waited == (0 if free_first else 1)  # not 1 and 2: all the evictions in flight
+    rt.release([new], "device")
+    rt.drain()
+    assert host.used <= host.capacity
+
+
+def test_evictions_undone_after_a_failed_write_leave_every_tier_within_budget() -> None:
+    """The device above makes room for ``n.grad`` by writing ``d.grad`` back to the host, into a
+    slot an NVMe write (the headroom's) is still emptying. When those writes fail, undoing them
+    undoes the write-back, and ``d.grad`` takes its device bytes back: the creation that needed
+    them waited for the write-back and is undone too, so no tier goes over budget (Tier refuses
+    it), and every block is where it was."""
+    from hetero.simulator import SimBlock
+
+    rt, disk, held, _ = _full_host_over_nvme(LRU())
+    for write in disk.writes:
+        write.fails = True
+    evicted = [b for b in held if "nvme" in b.tiers]
+    grad = next(b for b in rt.blocks() if b.id == "d.grad")
+    new = SimBlock("n.grad", "grad", 4096)
+    with pytest.raises(HeteroIOError):
+        rt.acquire([new], "device", write=True)
+    for name, tier in rt.tiers.items():
+        assert tier.used <= tier.capacity, name
+    assert grad.tiers == {"device"} and not new.tiers
+    assert all(b.tiers == {"host"} for b in evicted) and len(evicted) == 2
 
 
 def test_host_headroom_keeps_the_host_copy_of_a_block_on_the_device() -> None:

@@ -16,18 +16,26 @@ class FakeBlock:
     nbytes: int
 
 
-def brute_conflicts(in_flight: list[Op], op: Op) -> list[Op]:
-    """The rules as stated, by scanning every op in flight."""
+def brute_conflicts(in_flight: list[Op], op: Op, over: int) -> list[Op]:
+    """The rules as stated, by scanning every op in flight: ops of the same block or of
+    overlapping memory, and evictions freeing the tier ``op`` writes that gave back ``over``
+    bytes (those already among the others, then the oldest)."""
     deps = []
     for p in in_flight:
         if p is op:
             continue
-        if p.block is op.block or (op.dst is not None and p.freed_src and p.src == op.dst):
+        if p.block is op.block or (any(overlap(w, r) for w in op.writes for r in p.reads + p.writes)
+                                   or any(overlap(r, w) for r in op.reads for w in p.writes)):
             deps.append(p)
-        elif (any(overlap(w, r) for w in op.writes for r in p.reads + p.writes)
-              or any(overlap(r, w) for r in op.reads for w in p.writes)):
+    freeing = [p for p in in_flight if op.dst is not None and p.freed_src and p.src == op.dst]
+    over -= sum(p.freed for p in freeing if p in deps)
+    for p in freeing:
+        if over <= 0:
+            break
+        if p not in deps:
             deps.append(p)
-    return deps
+            over -= p.freed
+    return sorted(deps, key=lambda p: p.seq)
 
 
 def loc(tier: str, draw) -> object:
@@ -49,8 +57,10 @@ def scripts(draw):
         src = draw(st.sampled_from([None, "device", "host", "nvme"]))
         dst = draw(st.sampled_from([None, "device", "host", "nvme"]))
         freed = src is not None and draw(st.booleans())
-        actions.append(("add", Op(seq, block, src, dst, loc(src, draw) if src else None,
-                                  loc(dst, draw) if dst else None, freed, False, None, 0.0)))
+        op = Op(seq, block, src, dst, loc(src, draw) if src else None, loc(dst, draw) if dst else None,
+                freed, False, None, 0.0)
+        op.freed = block.nbytes if freed else 0
+        actions.append(("add", op, draw(st.integers(-PAGE, 4 * PAGE))))
     return actions
 
 
@@ -58,17 +68,20 @@ def scripts(draw):
 @given(scripts(), st.sampled_from([PAGE, 2 * PAGE, 8 * PAGE]))
 def test_conflicts_equal_a_scan_of_every_op_in_flight(actions, unit) -> None:
     index, live = InFlight(unit), []
-    for what, arg in actions:
+    for what, arg, *over in actions:
         if what == "remove":
             if live:
                 op = live.pop(arg % len(live))
                 index.remove(op)
             continue
-        assert index.conflicts(arg) == brute_conflicts(live, arg)
+        assert index.conflicts(arg, over[0]) == brute_conflicts(live, arg, over[0])
         index.add(arg)
         live.append(arg)
         assert list(index) == live
         assert index.of(arg.block) == [p for p in live if p.block is arg.block]
+        for tier in ("device", "host", "nvme"):
+            assert index.freeing(tier) == sum(p.freed for p in live if p.freed_src and p.src == tier)
     for op in list(live):
         index.remove(op)
     assert len(index) == 0 and not index._readers and not index._writers and not index._freeing
+    assert not index._freeing_bytes
