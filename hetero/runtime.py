@@ -365,12 +365,17 @@ class Runtime:
         self.tracker.step += 1
         self._pump()
 
-    def drain(self) -> None:
-        """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it)."""
+    def drain(self, stall: bool = False) -> None:
+        """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it);
+        ``stall``: the wait is inside a training step (the optimizer's), recorded as stall time
+        where something was still in flight."""
         while self._ops:
             op = self._ops.first()
             assert op.pending, f"runtime bug: {op} left in flight"
-            self._wait_op(op)
+            if stall:
+                self._wait_for([op], stall=True)
+            else:
+                self._wait_op(op)
 
     def close(self) -> None:
         if self._postponed:  # nothing can read the model once its swap files are gone

@@ -374,3 +374,26 @@ def test_a_postponed_update_inside_a_forward_runs_on_the_host_where_the_device_i
             b.pins["device"] -= 1
     assert rt.pinned_bytes("device") == 0 and opt._tier_for(chunk) == "device"
     model.close()
+
+
+@pytest.mark.parametrize("defer", ["0", "1"])
+def test_the_steps_wait_for_the_transfers_in_flight_counts_as_stall(monkeypatch, tmp_path, defer: str) -> None:
+    """With NVMe, step() lets every transfer in flight land before it updates anything (a
+    failure must surface before the first update): compute waiting for blocks, counted as stall
+    (``drain(stall=True)``), whichever way the step runs."""
+    monkeypatch.setenv("HETERO_DEFER_STEP", defer)
+    torch.manual_seed(0)
+    net = GPT()
+    total = state_bytes(net)
+    model = hetero.wrap(net, device="cpu", device_budget=total // 4, host_budget=int(total * 0.3),
+                        nvme_path=str(tmp_path), chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = model._hetero_state.runtime
+    real, drains = rt.drain, []
+    monkeypatch.setattr(rt, "drain", lambda stall=False: (drains.append(stall), real(stall))[1])
+    x, y = batches(1, seed=1)[0]
+    model(x, y).backward()
+    drains.clear()
+    opt.step()
+    assert drains == [True]
+    model.close()

@@ -105,18 +105,21 @@ def failing_sim_storage(block_id: str, src: str, dst: str) -> type:
     return Storage
 
 
-def bounded_drain(rt: R.Runtime) -> None:
+def bounded_drain(rt: R.Runtime, stall: bool = False) -> None:
     """``Runtime.drain`` that raises instead of spinning forever on an op left behind in a
     terminal state (what a crash inside ``_recover`` leaves)."""
     while rt._ops:
         op = rt._ops.first()
         if op.state not in ("queued", "running"):
             raise RuntimeError(f"drain would spin forever: {op} is still listed as in flight")
-        rt._wait_op(op)
+        if stall:
+            rt._wait_for([op], stall=True)
+        else:
+            rt._wait_op(op)
 
 
 def guard(rt: R.Runtime) -> R.Runtime:
-    rt.drain = lambda: bounded_drain(rt)  # also used by _rollback and close
+    rt.drain = lambda stall=False: bounded_drain(rt, stall)  # also used by _rollback and close
     return rt
 
 
@@ -1187,4 +1190,38 @@ def test_retiring_work_already_done_is_not_stall(rig) -> None:
     _read(rt, n)
     assert [b for _, _, b in rt.tracker.stalls] == ["n"] and rt.tracker.stall_seconds >= 0.04
     bounded_drain(rt)
+    invariants(rt)
+
+
+@pytest.mark.parametrize("in_step", [True, False])
+def test_a_drain_inside_a_step_is_stall(rig, in_step: bool) -> None:
+    """The optimizer's step waits for every transfer in flight before it updates anything
+    (``drain(stall=True)``): compute waiting, recorded as stall like any wait for a block. A
+    drain outside a step (closing, a state_dict) is not."""
+    rt = rig(4, 2, 8, prefetch=1)
+    n = TB("n", 1024)
+    rt.create(n, torch.ones(1024), tier=NVME)
+    rt.drain()
+    real, until = rt.storage.copy, time.perf_counter() + 0.05
+
+    class Slow:  # the read takes 50 ms
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def done(self) -> bool:
+            return time.perf_counter() >= until and self.handle.done()
+
+        def wait(self) -> None:
+            time.sleep(max(0.0, until - time.perf_counter()))
+            self.handle.wait()
+
+    rt.storage.copy = lambda *args: Slow(real(*args))
+    rt.hint([([n], HOST)])  # the read starts and is left in flight
+    assert len(rt._ops) == 1 and rt.tracker.stalls == []
+    R.Runtime.drain(rt, stall=in_step)  # (the real one: rig's runtimes drain through a guard)
+    assert not rt._ops
+    if in_step:
+        assert [b for _, _, b in rt.tracker.stalls] == ["n"] and rt.tracker.stall_seconds >= 0.04
+    else:
+        assert rt.tracker.stalls == []
     invariants(rt)

@@ -213,7 +213,7 @@ class Adam(torch.optim.Optimizer):
             # The updates made now must all run once begun: a transfer failing among them (any
             # still in flight, a write-back of the backward) would stop them half-way. So every
             # transfer lands first, and a failure raises here with nothing updated.
-            rt.drain()
+            rt.drain(stall=True)
             later = [u for u in work if not self._in_place(u.chunk)]
             self._update_in_place([u for u in work if u not in later])
             for update in later:
@@ -249,7 +249,7 @@ class Adam(torch.optim.Optimizer):
                 # Every transfer still in flight, this step's or earlier ones (write-backs and
                 # prefetches of the backward), must have landed before the commit: the updates
                 # after it cannot be undone, so no failure may surface among them.
-                rt.drain()
+                rt.drain(stall=True)
         except BaseException:
             # Chunks whose writes could not all be undone (no room was left for their older
             # copies: logged) keep this step, step counts included: the rollback keeps every
