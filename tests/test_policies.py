@@ -170,21 +170,44 @@ def test_hotness_evicts_the_block_predicted_furthest() -> None:
 def test_auto_uses_hotness_for_blocks_the_recording_does_not_know() -> None:
     auto = Auto()
     assert auto.upcoming(2) == []  # nothing recorded yet: hotness only
-    feed(auto, "abcxyx")
+    feed(auto, "z")  # (in the second step hotness is not asked)
     auto.end_step(0)
-    feed(auto, "abc", step=1)
-    feed(auto, "qq", step=1)  # q: new this step, reused every access
+    feed(auto, "abcxyx", step=1)
+    auto.end_step(1)
+    feed(auto, "abc", step=2)
+    feed(auto, "qq", step=2)  # q: new this step, reused every access
     # x and y are known (next step); q is predicted by hotness to come back at once
     assert auto.next_use("q", "device") < auto.next_use("y", "device")
     auto.timeline.LOCK = 3  # a, b, c matched in a row; q broke the streak
     assert auto.upcoming(1) == []
-    feed(auto, "x", step=1)
+    feed(auto, "x", step=2)
     auto.timeline.LOCK = 1
     assert auto.upcoming(1) == []  # y's recorded use has not come true yet
-    feed(auto, "yx", step=1)
-    auto.end_step(1)
-    feed(auto, "abcqqx", step=2)
+    feed(auto, "yx", step=2)
+    auto.end_step(2)
+    feed(auto, "abcqqx", step=3)
     assert auto.upcoming(1) == [("y", "device")]
+
+
+def test_auto_trusts_the_recording_alone_in_the_second_step() -> None:
+    """In the second step hotness has seen no more than the recording: a block the step skipped
+    (x, a routed expert) keeps its recorded next use and a new one (q) is unknown, as under
+    ``opt``. From the third step hotness predicts such blocks (p)."""
+    auto, opt = Auto(), Opt()
+    for p in (auto, opt):
+        feed(p, "axbc")
+        p.end_step(0)
+        feed(p, "ab", step=1)  # x skipped
+        feed(p, "qq", step=1)
+    assert not auto.timeline.reliable("x")
+    for b in "xq":
+        assert auto.next_use(b, "device") == opt.next_use(b, "device"), b
+    assert auto.next_use("q", "device") == math.inf and auto.next_use("x", "device") < math.inf
+    feed(auto, "c", step=1)
+    auto.end_step(1)
+    feed(auto, "a", step=2)
+    feed(auto, "pp", step=2)  # p: new, reused every access
+    assert auto.next_use("p", "device") < auto.next_use("c", "device") < math.inf
 
 
 def test_timeline_mirrors_the_first_forward_until_a_step_is_recorded() -> None:

@@ -1,5 +1,6 @@
 """The default: ``hotness`` until a step has been recorded, then ``opt`` for every block whose
-future the recording knows and ``hotness`` for the rest (routed experts, branches)."""
+future the recording knows and ``hotness`` for the rest (routed experts, branches), except in the
+second step, where hotness knows no more than the recording (``Opt._predict``)."""
 
 from __future__ import annotations
 
