@@ -122,6 +122,7 @@ class Runtime:
         self._catching_up = False
         self._postpone_seq = itertools.count()
         self._last_at = -1  # when the postponed work that ran (runs) last was postponed
+        self._failure: Optional[BaseException] = None  # found by a release, raised by the next pump
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -315,7 +316,7 @@ class Runtime:
             n = block.pins.get(tier, 0)
             assert n > 0, f"{block} released on {tier} without being acquired"
             block.pins[tier] = n - 1
-        self._pump(finish=False)  # start the next stage of a multi-stage prefetch early
+        self._pump(raising=False)  # start the next stage of a multi-stage prefetch now
 
     def read(self, block: Block) -> torch.Tensor:
         """A CPU copy of ``block``'s data, wherever it lives (not recorded as a compute access)."""
@@ -369,6 +370,7 @@ class Runtime:
         """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it);
         ``stall``: the wait is inside a training step (the optimizer's), recorded as stall time
         where something was still in flight."""
+        self._pump()  # (a failure a release found raises here)
         while self._ops:
             op = self._ops.first()
             assert op.pending, f"runtime bug: {op} left in flight"
@@ -1277,16 +1279,31 @@ class Runtime:
     def _wait_block(self, block: Block, stall: bool) -> None:
         self._wait_for(list(self._ops.of(block)), stall, block)
 
-    def _pump(self, finish: bool = True) -> None:
-        """Retire finished transfers (unless ``finish`` is False: then no error can surface here)
-        and start those whose conflicts are gone; never blocks."""
+    def _pump(self, raising: bool = True) -> None:
+        """Retire finished transfers and start those whose conflicts are gone (the next stage of
+        a multi-stage prefetch, a copy waiting for a deferred update); never blocks. A failure
+        found here is undone at once (:meth:`_finish`) and raised: here, or where ``raising`` is
+        False (``release``, which autograd hooks and ``finally`` blocks call) by the next pump
+        or drain, the call at which it surfaced before the pipeline moved on at releases."""
+        if self._failure is not None:
+            if not raising:  # one failure at a time: nothing moves on until it has surfaced
+                return
+            failure, self._failure = self._failure, None
+            raise failure
         deferred_busy = False  # deferred work mostly runs in order: once one is busy, skip the rest
         for op in self._ops:
             if op.state == "running":
-                if not finish or (op.compute and deferred_busy):
+                if op.compute and deferred_busy:
                     continue
                 if op.handle is None or op.handle.done():
-                    self._finish(op)
+                    if raising:
+                        self._finish(op)
+                        continue
+                    try:
+                        self._finish(op)
+                    except Exception as exc:  # undone; it raises from the next pump or drain
+                        self._failure = exc
+                        return
                 elif op.compute:
                     deferred_busy = True
             elif op.state == "queued" and all(d.state == "finished" for d in op.deps):

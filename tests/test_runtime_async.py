@@ -108,6 +108,7 @@ def failing_sim_storage(block_id: str, src: str, dst: str) -> type:
 def bounded_drain(rt: R.Runtime, stall: bool = False) -> None:
     """``Runtime.drain`` that raises instead of spinning forever on an op left behind in a
     terminal state (what a crash inside ``_recover`` leaves)."""
+    rt._pump()  # (as drain: a failure a release found raises here)
     while rt._ops:
         op = rt._ops.first()
         if op.state not in ("queued", "running"):
@@ -1224,4 +1225,57 @@ def test_a_drain_inside_a_step_is_stall(rig, in_step: bool) -> None:
         assert [b for _, _, b in rt.tracker.stalls] == ["n"] and rt.tracker.stall_seconds >= 0.04
     else:
         assert rt.tracker.stalls == []
+    invariants(rt)
+
+
+def _prefetch_from_nvme(rig, fail: bool):
+    """A runtime in which acquiring ``a`` on the device prefetches ``n`` there from NVMe: a read
+    into the host, then a copy to the device queued behind it (``fail``: the read fails).
+    Returns (runtime, a, n, the read) once the read has ended, ``a`` still acquired."""
+    pol = Scripted()
+    rt = rig(4, 2, 8, policy=pol, prefetch=1)
+    a, n = TB("a", 1024), TB("n", 1024)
+    rt.create(n, torch.full((1024,), 3.0), tier=NVME)
+    rt.create(a, tier=DEVICE)
+    rt.drain()
+    pol.up, pol.uses = [("n", DEVICE)], {"n": 1}
+    if fail:
+        engine.inject_fault("eio", 0)
+    rt.acquire([a], DEVICE)
+    pol.up = []
+    read, copy = rt._ops.of(n)
+    assert (read.src, read.dst, copy.src, copy.dst) == (NVME, HOST, HOST, DEVICE) and copy.state == "queued"
+    while not read.handle.done():
+        time.sleep(0.001)
+    return rt, a, n, read
+
+
+def test_a_release_starts_the_next_stage_of_a_prefetch(rig) -> None:
+    """Once the NVMe read of a two-stage prefetch has landed, the next runtime call, here the
+    release of the block in use, starts the host-to-device copy: it does not wait for the next
+    acquire, up to a unit's compute later."""
+    rt, a, n, _ = _prefetch_from_nvme(rig, fail=False)
+    rt.release([a], DEVICE)
+    assert all(op.state != "queued" for op in rt._ops.of(n))
+    bounded_drain(rt)
+    assert n.tiers >= {DEVICE, HOST}
+    assert torch.equal(rt.read(n), torch.full((1024,), 3.0))
+    invariants(rt)
+
+
+def test_a_failure_a_release_finds_is_undone_there_and_raised_by_the_next_call(rig) -> None:
+    """A release must not raise (autograd hooks and ``finally`` blocks call it): a failed
+    transfer it retires is undone at once (the prefetched block is where it was) and raises
+    from the next acquire, as before; the acquire after that goes through."""
+    rt, a, n, read = _prefetch_from_nvme(rig, fail=True)
+    engine.inject_fault("none")
+    rt.release([a], DEVICE)
+    assert read.state == "failed" and n.tiers == {NVME} and not rt._ops.of(n)
+    with pytest.raises(HeteroIOError):
+        rt.acquire([a], DEVICE)
+    assert not a.pins.get(DEVICE)
+    rt.acquire([n], DEVICE)
+    assert torch.equal(rt.data(n, DEVICE), torch.full((1024,), 3.0))
+    rt.release([n], DEVICE)
+    bounded_drain(rt)
     invariants(rt)
