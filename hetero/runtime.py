@@ -12,9 +12,10 @@ Two views of every block are kept apart:
 * the **physical** transfers — an :class:`~hetero.transfers.Op` per copy, run by the copy engine
   (host <-> device) or the swap engine (host <-> NVMe) while compute goes on. An op starts only
   when every earlier op it conflicts with has finished (the same block; a slot it overwrites that
-  an earlier op still reads or writes; device memory an eviction is still giving back; see
-  :class:`~hetero.transfers.InFlight`), so a slot is reused only after the transfer out of it
-  completed and device memory in use never exceeds the device budget.
+  an earlier op still reads or writes; evictions still giving back memory of its tier, as many as
+  the tier would be over budget by if all were undone; see :class:`~hetero.transfers.InFlight`),
+  so a slot is reused only after the transfer out of it completed and device memory in use never
+  exceeds the device budget, even when failed evictions are undone.
   Compute waits only in :meth:`acquire`, for the blocks it asked for; that wait is the stall time.
   Host-side work on blocks can be an op too (:meth:`defer`: the optimizer's CPU step of a chunk,
   on :class:`hetero.optim.queue.AdamQueue`), so it runs off the training thread while the next
@@ -233,8 +234,9 @@ class Runtime:
     def _create_zero_on_nvme(self, block: Block) -> bool:
         """Give a new zero-filled block NVMe slots and nothing else (see :meth:`create`); False
         where NVMe has no room for it. The slots are claimed by an op that writes nothing but,
-        as a write there would, waits for the ops still giving NVMe memory back: if one of
-        those is undone, the claim is too, and the block is left with no copy, as a block whose
+        as a write there would, waits for the ops still giving back the NVMe memory it takes
+        (those reading its slots, and as many evictions as the budget needs): if one of those
+        is undone, the claim is too, and the block is left with no copy, as a block whose
         creation failed (a zero-filled block is made again at its first use)."""
         try:
             self._alloc(block, NVME, set())
@@ -367,9 +369,10 @@ class Runtime:
         self._pump()
 
     def drain(self, stall: bool = False) -> None:
-        """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it);
-        ``stall``: the wait is inside a training step (the optimizer's), recorded as stall time
-        where something was still in flight."""
+        """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it;
+        one a release already undid raises first, with what was issued since maybe still in
+        flight: drain again to wait for it); ``stall``: the wait is inside a training step (the
+        optimizer's), recorded as stall time where something was still in flight."""
         self._pump()  # (a failure a release found raises here)
         while self._ops:
             op = self._ops.first()
@@ -1302,6 +1305,8 @@ class Runtime:
                     try:
                         self._finish(op)
                     except Exception as exc:  # undone; it raises from the next pump or drain
+                        if not (isinstance(exc, HeteroIOError) or op.compute):
+                            raise  # a runtime bug, not a failure of the work
                         self._failure = exc
                         return
                 elif op.compute:
@@ -1342,7 +1347,9 @@ class Runtime:
             if op.dst is not None and op.dst in block.tiers:
                 self._drop(block, op.dst)
                 self.storage.release(block, op.dst)
-            if op.freed_src and op.restorable:
+            if op.freed_src and not op.restorable and op.src not in block.tiers:
+                self.storage.release(block, op.src)  # a dead copy's memory (a discarded block's)
+            elif op.freed_src and op.restorable:
                 self.storage.adopt(block, op.src, op.src_loc)
                 self._reserve(block, op.src)
                 self._add_copy(block, op.src)

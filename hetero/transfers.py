@@ -3,7 +3,8 @@
 The runtime (:mod:`hetero.runtime`) decides placements logically and at once; each decision that
 moves bytes becomes an :class:`Op` here. An op may start only when every earlier op it conflicts
 with has finished: ops of the same block; ops reading memory it overwrites, or writing memory it
-reads or writes; and, for an op writing a tier, evictions still giving that tier's memory back.
+reads or writes; and, for an op writing a tier, evictions still giving that tier's memory back,
+as many as the tier would be over budget by if they all failed and were undone.
 :class:`InFlight` keeps the unfinished ops in issue order and indexes them by block and by the
 memory they touch, so finding an op's conflicts costs what its neighbours cost, not a scan of
 everything in flight (a step at small chunk sizes keeps hundreds of ops in flight: the optimizer's

@@ -591,6 +591,30 @@ def test_evictions_undone_after_a_failed_write_leave_every_tier_within_budget() 
     assert all(b.tiers == {"host"} for b in evicted) and len(evicted) == 2
 
 
+def test_an_undone_write_back_of_a_discarded_block_gives_its_device_memory_back() -> None:
+    """A device write-back of ``d.grad`` waits behind the headroom's NVMe writes; then zero_grad
+    discards it (its data is dead: undoing never brings it back). When those writes fail, the
+    cancelled write-back must still give the device memory back: a creation that did not wait
+    for it (the budget had room) would otherwise hold device memory over the budget."""
+    from hetero.simulator import SimBlock
+
+    rt, disk, held, _ = _full_host_over_nvme(LRU())
+    live = {b.id for b in rt.blocks() if "device" in b.tiers}  # blocks holding device memory
+    disk.storage.alloc = lambda b, t: live.add(b.id) if t == "device" else None
+    disk.storage.release = lambda b, t: live.discard(b.id) if t == "device" else None
+    grad = next(b for b in rt.blocks() if b.id == "d.grad")
+    rt.hint([([held[-1]], "device")])  # room for it: d.grad goes back to the host, behind a write
+    assert any(op.block is grad and op.dst == "host" for op in rt._ops)
+    rt.discard(grad)
+    for write in disk.writes:
+        write.fails = True
+    with pytest.raises(HeteroIOError):
+        rt.drain()
+    rt.acquire([SimBlock("n.grad", "grad", 4096)], "device", write=True)
+    device = rt.tiers["device"]
+    assert "d.grad" not in live and len(live) * 4096 <= device.capacity, live
+
+
 def test_host_headroom_keeps_the_host_copy_of_a_block_on_the_device() -> None:
     """Headroom never frees the host copy a device copy falls back on, even the policy's first
     victim: evicting the device copy would only bring it back as a write-back."""

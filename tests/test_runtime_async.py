@@ -1279,3 +1279,47 @@ def test_a_failure_a_release_finds_is_undone_there_and_raised_by_the_next_call(r
     rt.release([n], DEVICE)
     bounded_drain(rt)
     invariants(rt)
+
+
+class _FailedJob:
+    """Deferred work that has ended and raised."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise RuntimeError("injected kernel failure")
+
+
+def test_a_failed_deferred_update_a_release_finds_raises_from_the_next_acquire(rig) -> None:
+    """Deferred work that raised is retired by the release after it, which keeps the error (a
+    release never raises) for the next acquire, which raises it once; the block is usable after
+    that."""
+    rt = rig(4, 2)
+    b = TB("b", 1024)
+    rt.create(b, torch.ones(1024), tier=HOST)
+    rt.acquire([b], HOST)
+    rt.defer(HOST, [b], [b], _FailedJob)
+    rt.release([b], HOST)
+    assert not rt._ops.of(b)
+    with pytest.raises(RuntimeError, match="injected kernel failure"):
+        rt.acquire([b], HOST)
+    rt.acquire([b], HOST)
+    rt.release([b], HOST)
+    bounded_drain(rt)
+    invariants(rt)
+
+
+def test_a_runtime_bug_a_release_finds_raises_at_once(rig) -> None:
+    """Only a failure of the work itself (HeteroIOError, or deferred work's error) waits for the
+    next call: an assertion while retiring a transfer is a bug and raises from the release."""
+    rt, a, n, read = _prefetch_from_nvme(rig, fail=False)
+
+    def buggy(op):
+        raise AssertionError("runtime bug")
+
+    rt._finish = buggy
+    with pytest.raises(AssertionError, match="runtime bug"):
+        rt.release([a], DEVICE)
+    del rt._finish
+    assert rt._failure is None

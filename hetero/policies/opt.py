@@ -152,9 +152,11 @@ class Opt(Policy):
         """The recording's answer, else the fallback's, except in the second step (one step
         complete): there hotness knows each block from the same single step the recording holds,
         so a block the step has skipped so far (a routed expert) is better expected at its
-        recorded use than at a reuse distance measured once, and one the recording never saw is
-        unknown to both. (Routed model, 25% device budget, 24 seeds: NVMe bytes -17% and stall
-        -16% against asking it there too; device bytes +1%.)"""
+        recorded use than at a reuse distance measured once. A block the recording never saw
+        is then unknown, as under ``opt`` (evicted first), even one this step already used
+        twice (a newly routed expert between its forward and backward), which hotness would
+        keep: the price of the rule. (Routed model, 25% device budget, 24 seeds: NVMe bytes -17%
+        and stall -16% against asking it there too; device bytes +1%.)"""
         d = self.timeline.next_use(block_id, "*" if block_id in self._settled else tier)
         if d is None and self.timeline.provisional and self.kinds.get(block_id) == GRAD:
             # The first step's guess (its forward mirrored) ends with the backward; a gradient
