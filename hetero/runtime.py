@@ -1264,12 +1264,13 @@ class Runtime:
             self._finish(op)
 
     def _wait_for(self, ops: Iterable[Op], stall: bool, block: Optional[Block] = None) -> None:
-        """Finish ``ops``; the time counts as stall (``stall``) only where one of them was still
-        queued or in flight: retiring work that is already done is bookkeeping, not waiting."""
+        """Finish ``ops``; the time counts as stall (``stall``) only where one of them waits for
+        work still to be done (:meth:`_moving`): retiring work that is already done, and
+        starting an op that moves nothing once what it waited for is done, is bookkeeping."""
         ops = [o for o in ops if o.pending]
         if not ops:
             return
-        stall = stall and any(o.state == "queued" or (o.handle is not None and not o.handle.done()) for o in ops)
+        stall = stall and self._moving(ops)
         start = self.tracker.now()
         try:
             for o in ops:
@@ -1278,6 +1279,29 @@ class Runtime:
             if stall:
                 self.tracker.stall(start, self.tracker.now(), (block or ops[0].block).id,
                                    optimizer=any(o.compute for o in ops))
+
+    @staticmethod
+    def _moving(ops: list[Op]) -> bool:
+        """Whether finishing ``ops`` waits for work not yet done: a transfer or deferred work in
+        flight, a transfer still queued, or an op queued behind one of those. An op that moves
+        no bytes (a zero fill, a never-written NVMe copy's claim or fill, the hold of a freed
+        copy) queued behind ops that are all done only waits for the runtime to start it: a new
+        Adam state made on the device right after the write-back its room needed."""
+        seen: set[int] = set()
+        todo = list(ops)
+        while todo:
+            op = todo.pop()
+            if id(op) in seen or not op.pending:
+                continue
+            seen.add(id(op))
+            if op.state == "running":
+                if op.handle is not None and not op.handle.done():
+                    return True
+            elif op.init is not None or (op.src is not None and op.dst is not None and not op.zero):
+                return True  # a transfer (or a fill from a tensor) still to run
+            else:
+                todo.extend(op.deps)
+        return False
 
     def _wait_block(self, block: Block, stall: bool) -> None:
         self._wait_for(list(self._ops.of(block)), stall, block)

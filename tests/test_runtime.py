@@ -615,6 +615,23 @@ def test_an_undone_write_back_of_a_discarded_block_gives_its_device_memory_back(
     assert "d.grad" not in live and len(live) * 4096 <= device.capacity, live
 
 
+@pytest.mark.parametrize("disk_done", [True, False])
+def test_a_new_block_behind_a_finished_write_back_is_no_stall(disk_done: bool) -> None:
+    """Creating ``n.grad`` on a full device writes ``d.grad`` back first (instantly in the
+    simulated storage), and the new block's zero fill waits for that. Once what it waits for
+    is done, starting the fill is the runtime's bookkeeping, not a stall; behind a write-back
+    that still waits for an NVMe write (the headroom's, unfinished), the wait is a stall."""
+    from hetero.simulator import SimBlock
+
+    rt, disk, held, _ = _full_host_over_nvme(LRU(), free_first=False)
+    if disk_done:
+        disk.catch_up()
+    rt.tracker.stalls.clear()
+    rt.acquire([SimBlock("n.grad", "grad", 4096)], "device", write=True)
+    fills = [e for e in rt.tracker.stalls if e[2] == "n.grad"]
+    assert (fills == []) == disk_done, rt.tracker.stalls
+
+
 def test_host_headroom_keeps_the_host_copy_of_a_block_on_the_device() -> None:
     """Headroom never frees the host copy a device copy falls back on, even the policy's first
     victim: evicting the device copy would only bring it back as a write-back."""
