@@ -1311,7 +1311,8 @@ class Runtime:
         a multi-stage prefetch, a copy waiting for a deferred update); never blocks. A failure
         found here is undone at once (:meth:`_finish`) and raised: here, or where ``raising`` is
         False (``release``, which autograd hooks and ``finally`` blocks call) by the next pump
-        or drain, the call at which it surfaced before the pipeline moved on at releases."""
+        or drain, the call at which it surfaced before the pipeline moved on at releases (an
+        assertion, a runtime bug, raises at once)."""
         if self._failure is not None:
             if not raising:  # one failure at a time: nothing moves on until it has surfaced
                 return
@@ -1328,9 +1329,9 @@ class Runtime:
                         continue
                     try:
                         self._finish(op)
-                    except Exception as exc:  # undone; it raises from the next pump or drain
-                        if not (isinstance(exc, HeteroIOError) or op.compute):
-                            raise  # a runtime bug, not a failure of the work
+                    except AssertionError:  # a runtime bug, not a failure of the work
+                        raise
+                    except Exception as exc:  # undone if it can be; raises from the next pump
                         self._failure = exc
                         return
                 elif op.compute:
@@ -1361,6 +1362,7 @@ class Runtime:
                     bad.add(op)
                 else:
                     self._finish(op)
+        gone: dict[Block, None] = {}  # blocks whose device memory no copy holds any more
         for op in sorted(bad, key=lambda o: o.seq, reverse=True):
             assert not op.compute, f"runtime bug: {op} undone (deferred work has no dependencies)"
             self._ops.remove(op)
@@ -1370,17 +1372,32 @@ class Runtime:
             block = op.block
             if op.dst is not None and op.dst in block.tiers:
                 self._drop(block, op.dst)
-                self.storage.release(block, op.dst)
-            if op.freed_src and not op.restorable and op.src not in block.tiers:
-                self.storage.release(block, op.src)  # a dead copy's memory (a discarded block's)
-            elif op.freed_src and op.restorable:
+                if op.dst == DEVICE:
+                    gone[block] = None
+            if op.freed_src and op.restorable:
                 self.storage.adopt(block, op.src, op.src_loc)
                 self._reserve(block, op.src)
                 self._add_copy(block, op.src)
                 if op.zero:
                     self._zero.add(block)
+            elif op.freed_src and op.src == DEVICE:  # a dead copy (a discarded block's)
+                gone[block] = None
+        for block in gone:
+            self._release_device(block)
         log.warning("hetero: a transfer failed; undid %d transfer(s): %s", len(bad),
                     ", ".join(map(repr, sorted(bad, key=lambda o: o.seq))))
+
+    def _release_device(self, block: Block) -> None:
+        """Give back the device memory of ``block``, which has no device copy any more (an undone
+        transfer's, or a discarded block's whose hold was undone): at once, or through a hold
+        op after the ops that survived the undo and still use it (an earlier write-back out of
+        it, a copy into it), as :meth:`_free` does."""
+        if DEVICE in block.tiers:
+            return
+        if self._ops.touch(block, regions(block, DEVICE, None)):
+            self._issue(block, DEVICE, None, None, None, freed_src=True, prefetch=False).restorable = False
+        else:
+            self.storage.release(block, DEVICE)
 
     def _oom_message(self, block: Block, tier: str, why: str) -> str:
         tiers = ", ".join(f"{n}: {format_size(t.used)} used of {format_size(t.capacity)} "

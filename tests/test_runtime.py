@@ -615,6 +615,65 @@ def test_an_undone_write_back_of_a_discarded_block_gives_its_device_memory_back(
     assert "d.grad" not in live and len(live) * 4096 <= device.capacity, live
 
 
+def test_an_undone_hold_of_a_discarded_block_frees_its_device_memory_after_the_ops_still_using_it() -> None:
+    """``x.grad`` is written back from the device twice: first behind ``q``'s NVMe write (that
+    write succeeds), then, after coming back, behind ``y``'s, and is then discarded. ``y``'s
+    write fails: undoing it cancels the second write-back and the hold of the dead device copy,
+    but the first write-back and the fetch after it survive and still read and write that
+    memory. It is given back only after them (a hold op), never under them (reviewer's
+    scenario, built with the runtime's internals)."""
+    from hetero.runtime import Runtime
+    from hetero.simulator import SimBlock
+
+    slot = 4096
+    caps = {"device": slot, "host": 3 * slot, "nvme": 8 * slot}
+    disk = _SlowNvmeWrites(caps, slot)
+    victim = ["q.exp_avg"]
+
+    class Chosen(LRU):  # the host evicts ``victim`` first
+        def victim_key(self, tier):
+            lru = super().victim_key(tier)
+            return lambda b: (tier == "host" and b.id == victim[0], lru(b))
+
+    rt = Runtime(caps, slot, Chosen(), disk.storage, prefetch=0)
+    y, p, q, v = (SimBlock(f"{n}.exp_avg", "exp_avg", slot) for n in "ypqv")
+    x = SimBlock("x.grad", "grad", slot)
+    rt.create(v, tier="nvme")
+    disk.catch_up()
+    rt.drain()
+    for b in (y, p, q):
+        rt.create(b, tier="host")
+    rt.create(x, tier="device")
+    rt.drain()
+    live, misuse = {"x.grad"}, []  # blocks holding device memory; copies touching freed memory
+    disk.storage.alloc = lambda b, t: live.add(b.id) if t == "device" else None
+    disk.storage.release = lambda b, t: live.discard(b.id) if t == "device" else None
+    copy = disk.storage.copy
+
+    def checked(b, src, src_loc, dst, dst_loc):
+        if "device" in (src, dst) and b.id not in live:
+            misuse.append(f"{b.id} {src}->{dst}")
+        return copy(b, src, src_loc, dst, dst_loc)
+
+    disk.storage.copy = checked
+    rt._evict(x, "device")  # write-back 1, behind q's NVMe write
+    rt._start(next(o for o in rt._ops if o.dst == "nvme"))
+    rt._replicate(x, "host", "device", {x})  # back up (after write-back 1)
+    rt._free(x, "host")
+    rt._replicate(v, "nvme", "host", {x})
+    victim[0] = "y.exp_avg"
+    rt._evict(x, "device")  # write-back 2, behind y's NVMe write
+    rt.discard(x)
+    write = next(o for o in rt._ops if o.dst == "nvme" and o.block is y)
+    rt._start(write)
+    disk.writes[-1].fails = True
+    with pytest.raises(HeteroIOError):
+        rt._wait_for([write], False)
+    assert "x.grad" in live  # the surviving write-back and fetch still use it
+    rt.drain()
+    assert misuse == [] and live == set() and not x.tiers
+
+
 @pytest.mark.parametrize("disk_done", [True, False])
 def test_a_new_block_behind_a_finished_write_back_is_no_stall(disk_done: bool) -> None:
     """Creating ``n.grad`` on a full device writes ``d.grad`` back first (instantly in the

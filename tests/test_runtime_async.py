@@ -1311,8 +1311,9 @@ def test_a_failed_deferred_update_a_release_finds_raises_from_the_next_acquire(r
 
 
 def test_a_runtime_bug_a_release_finds_raises_at_once(rig) -> None:
-    """Only a failure of the work itself (HeteroIOError, or deferred work's error) waits for the
-    next call: an assertion while retiring a transfer is a bug and raises from the release."""
+    """A failure of the work (an I/O error, deferred work's error, a copy engine's) waits for
+    the next call; an assertion while retiring a transfer is a runtime bug and raises from the
+    release."""
     rt, a, n, read = _prefetch_from_nvme(rig, fail=False)
 
     def buggy(op):
