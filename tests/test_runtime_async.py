@@ -1163,20 +1163,11 @@ def test_a_failure_late_in_the_first_step(policy, swapdir, faults) -> None:
         close_model(model)
 
 
-def test_retiring_work_already_done_is_not_stall(rig) -> None:
-    """Stall time is time compute waited for a transfer still queued or in flight: creating
-    blocks in free memory (a fill done at once) records none, while a read from NVMe that an
-    acquire has to wait for does."""
-    rt = rig(4, 2, 8)
-    for name in "abc":
-        rt.create(TB(name, 1024), tier=DEVICE)
-    assert rt.tracker.stalls == []
-    n = TB("n", 1024)
-    rt.create(n, torch.ones(1024), tier=NVME)
-    rt.drain()
-    real, until = rt.storage.copy, time.perf_counter() + 0.05
+def _slow_copies(rt: R.Runtime, seconds: float) -> None:
+    """Every copy ``rt`` starts from now on ends ``seconds`` from now, at the earliest."""
+    real, until = rt.storage.copy, time.perf_counter() + seconds
 
-    class Slow:  # the read takes 50 ms
+    class Slow:
         def __init__(self, handle) -> None:
             self.handle = handle
 
@@ -1188,6 +1179,20 @@ def test_retiring_work_already_done_is_not_stall(rig) -> None:
             self.handle.wait()
 
     rt.storage.copy = lambda *args: Slow(real(*args))
+
+
+def test_retiring_work_already_done_is_not_stall(rig) -> None:
+    """Stall time is time compute waited for a transfer still queued or in flight: creating
+    blocks in free memory (a fill done at once) records none, while a read from NVMe that an
+    acquire has to wait for does."""
+    rt = rig(4, 2, 8)
+    for name in "abc":
+        rt.create(TB(name, 1024), tier=DEVICE)
+    assert rt.tracker.stalls == []
+    n = TB("n", 1024)
+    rt.create(n, torch.ones(1024), tier=NVME)
+    rt.drain()
+    _slow_copies(rt, 0.05)
     _read(rt, n)
     assert [b for _, _, b in rt.tracker.stalls] == ["n"] and rt.tracker.stall_seconds >= 0.04
     bounded_drain(rt)
@@ -1203,20 +1208,7 @@ def test_a_drain_inside_a_step_is_stall(rig, in_step: bool) -> None:
     n = TB("n", 1024)
     rt.create(n, torch.ones(1024), tier=NVME)
     rt.drain()
-    real, until = rt.storage.copy, time.perf_counter() + 0.05
-
-    class Slow:  # the read takes 50 ms
-        def __init__(self, handle) -> None:
-            self.handle = handle
-
-        def done(self) -> bool:
-            return time.perf_counter() >= until and self.handle.done()
-
-        def wait(self) -> None:
-            time.sleep(max(0.0, until - time.perf_counter()))
-            self.handle.wait()
-
-    rt.storage.copy = lambda *args: Slow(real(*args))
+    _slow_copies(rt, 0.05)
     rt.hint([([n], HOST)])  # the read starts and is left in flight
     assert len(rt._ops) == 1 and rt.tracker.stalls == []
     R.Runtime.drain(rt, stall=in_step)  # (the real one: rig's runtimes drain through a guard)
