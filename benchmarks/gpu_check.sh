@@ -10,7 +10,9 @@
 #      -DHETERO_CUDA when a CUDA toolkit is found), only for this GPU's architecture
 #   3. GPU tests, one pytest process per file (a crash in one does not hide the others):
 #      tests/test_cuda.py, test_copies.py, test_mixed_precision.py (its CUDA cases) and
-#      test_cpu_adam.py (the CPU Adam kernel's AVX-512 path, where this machine's CPU has it)
+#      test_cpu_adam.py (the CPU Adam kernel's AVX-512 path, where this machine's CPU has it),
+#      then python benchmarks/mp_diag.py --device cuda: which variant closes the gap between
+#      mixed precision and torch's recipe that test_mixed_precision.py's CUDA cases showed
 #   4. python benchmarks/bench_copy.py --json $OUT/copy.json: H2D / D2H GB/s of the copy engine
 #      against a plain cudaMemcpyAsync, and the overlap of copies with compute
 #   5. python benchmarks/bench_overlap.py --device cuda --steps 20 --turn 4 --json $OUT/overlap.json: step time
@@ -143,6 +145,9 @@ for f in test_cuda test_copies test_mixed_precision test_cpu_adam; do
   step "GPU tests: pytest tests/$f.py"
   run "$f" "$PY" -m pytest -q -rs --tb=short -p no:cacheprovider "tests/$f.py"
 done
+
+step "mixed precision against torch's recipe, four variants: benchmarks/mp_diag.py --device cuda"
+run mp_diag "$PY" benchmarks/mp_diag.py --device cuda
 
 step "copy engine benchmark: benchmarks/bench_copy.py"
 run bench_copy "$PY" benchmarks/bench_copy.py --json "$OUT_DIR/copy.json"

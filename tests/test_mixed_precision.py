@@ -99,3 +99,22 @@ def test_mixed_precision_clip_and_state_dict_round_trip() -> None:
         torch.testing.assert_close(v, sd[k], rtol=0, atol=0)
     x, y = data[0]
     torch.testing.assert_close(fresh(x, y), wrapped(x, y))
+
+
+def test_the_gpu_diagnostic_reports_differences_only_where_there_are(monkeypatch) -> None:
+    """``benchmarks/mp_diag.py`` (run by gpu_check.sh) on the CPU: hetero and the recipe end
+    identical in every variant it tries, and a real difference (the recipe with another Adam
+    eps) shows up, weight by weight."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import mp_diag
+
+    for variant in mp_diag.VARIANTS:
+        (row,) = mp_diag.compare(torch.bfloat16, "cpu", variant)
+        assert row.endswith("every weight identical"), row
+    real = mp_diag.recipe
+    monkeypatch.setattr(mp_diag, "recipe", lambda dtype, device, data, eps, flat: real(dtype, device, data, 1e-3, flat))
+    rows = mp_diag.compare(torch.bfloat16, "cpu", "base")
+    assert len(rows) > 1 and any(r.strip().startswith("wte.weight") for r in rows[1:])
