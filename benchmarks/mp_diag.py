@@ -24,7 +24,6 @@ does, look for a real difference. On the CPU every variant should print zeros.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 
@@ -33,14 +32,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import hetero  # noqa: E402
-from models import GPT, batches  # noqa: E402  (the tests' model and data)
+from models import batches  # noqa: E402  (the tests' data)
+from test_mixed_precision import eager_master_recipe, make  # noqa: E402  (the test's recipe)
 
 VARIANTS = ("base", "deterministic", "flat", "eps")
-
-
-def make(device: str) -> GPT:
-    torch.manual_seed(0)
-    return GPT(qkv_bias=device == "cpu")  # (as the test: no q/k/v bias on the GPU)
 
 
 def flatten_(model: torch.nn.Module) -> None:
@@ -56,30 +51,8 @@ def flatten_(model: torch.nn.Module) -> None:
         offset += n
 
 
-def recipe(dtype: torch.dtype, device: str, data, eps: float, flat: bool):
-    master = make(device).to(device)
-    compute = copy.deepcopy(master).to(dtype)
-    if flat:
-        flatten_(compute)
-    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1, eps=eps)
-    losses = []
-    for x, y in data:
-        loss = compute(x.to(device), y.to(device))
-        loss.backward()
-        for pm, pc in zip(master.parameters(), compute.parameters()):
-            pm.grad = None if pc.grad is None else pc.grad.float()
-            pc.grad = None
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for pm, pc in zip(master.parameters(), compute.parameters()):
-                pc.copy_(pm)
-        losses.append(loss.item())
-    return losses, {k: v.detach().cpu() for k, v in master.state_dict().items()}
-
-
 def wrapped(dtype: torch.dtype, device: str, data, eps: float):
-    model = hetero.wrap(make(device), device=device, chunk_size="8KiB",
+    model = hetero.wrap(make(qkv_bias=device == "cpu"), device=device, chunk_size="8KiB",
                         mixed_precision=hetero.MixedPrecision(param_dtype=dtype))
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=eps)
     losses = []
@@ -102,7 +75,9 @@ def compare(dtype: torch.dtype, device: str, variant: str) -> list[str]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     try:
-        want_losses, want = recipe(dtype, device, data, eps, flat=variant == "flat")
+        want_losses, master = eager_master_recipe(dtype, data, None, device, eps=eps,
+                                                  prepare=flatten_ if variant == "flat" else None)
+        want = {k: v.detach().cpu() for k, v in master.state_dict().items()}
         losses, got = wrapped(dtype, device, data, eps)
     finally:
         torch.use_deterministic_algorithms(previous)

@@ -18,12 +18,17 @@ def make(qkv_bias: bool = True) -> GPT:
     return GPT(qkv_bias=qkv_bias)
 
 
-def eager_master_recipe(dtype: torch.dtype, data, clip: float | None, device: str = "cpu"):
+def eager_master_recipe(dtype: torch.dtype, data, clip: float | None, device: str = "cpu",
+                        eps: float = 1e-8, prepare=None):
+    """torch's recipe; ``prepare`` is applied to the compute copy first (benchmarks/mp_diag.py
+    lays its parameters out as a chunk would)."""
     # On the GPU eager steps there and hetero steps host-resident chunks on the CPU: the model
     # without the q/k/v bias, which would amplify their last-bit differences (see models.GPT).
     master = make(qkv_bias=device == "cpu").to(device)
     compute = copy.deepcopy(master).to(dtype)
-    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
+    if prepare is not None:
+        prepare(compute)
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1, eps=eps)
     losses = []
     for x, y in data:
         loss = compute(x.to(device), y.to(device))
@@ -114,7 +119,7 @@ def test_the_gpu_diagnostic_reports_differences_only_where_there_are(monkeypatch
     for variant in mp_diag.VARIANTS:
         (row,) = mp_diag.compare(torch.bfloat16, "cpu", variant)
         assert row.endswith("every weight identical"), row
-    real = mp_diag.recipe
-    monkeypatch.setattr(mp_diag, "recipe", lambda dtype, device, data, eps, flat: real(dtype, device, data, 1e-3, flat))
+    real = mp_diag.eager_master_recipe
+    monkeypatch.setattr(mp_diag, "eager_master_recipe", lambda *a, **kw: real(*a, **kw | {"eps": 1e-3}))
     rows = mp_diag.compare(torch.bfloat16, "cpu", "base")
     assert len(rows) > 1 and any(r.strip().startswith("wte.weight") for r in rows[1:])
