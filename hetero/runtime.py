@@ -377,10 +377,7 @@ class Runtime:
         while self._ops:
             op = self._ops.first()
             assert op.pending, f"runtime bug: {op} left in flight"
-            if stall:
-                self._wait_for([op], stall=True)
-            else:
-                self._wait_op(op)
+            self._wait_for([op], stall)
 
     def close(self) -> None:
         if self._postponed:  # nothing can read the model once its swap files are gone
@@ -1192,9 +1189,15 @@ class Runtime:
         loc = self.storage.loc(block, tier)
         zero = tier == NVME and block in self._zero
         self._drop(block, tier)
+        self._give_back(block, tier, loc, restorable, zero)
+
+    def _give_back(self, block: Block, tier: str, loc: Any, restorable: bool = True, zero: bool = False) -> None:
+        """Give back the memory at ``loc`` of ``block``'s dropped copy on ``tier``: at once, or
+        through a hold op after the unfinished ops that still read or write it. ``restorable``
+        False: the copy is dead (a discarded block's), undoing the hold never brings it back."""
         if self._ops.touch(block, regions(block, tier, loc)):
             op = self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False, zero=zero)
-            op.restorable = restorable  # a discarded copy is dead: undoing never brings it back
+            op.restorable = restorable
         else:
             self.storage.release(block, tier)
 
@@ -1324,15 +1327,14 @@ class Runtime:
                 if op.compute and deferred_busy:
                     continue
                 if op.handle is None or op.handle.done():
-                    if raising:
-                        self._finish(op)
-                        continue
                     try:
                         self._finish(op)
                     except AssertionError:  # a runtime bug, not a failure of the work
                         raise
-                    except Exception as exc:  # undone if it can be; raises from the next pump
-                        self._failure = exc
+                    except Exception as exc:  # undone if it can be
+                        if raising:
+                            raise
+                        self._failure = exc  # raised by the next pump
                         return
                 elif op.compute:
                     deferred_busy = True
@@ -1382,22 +1384,14 @@ class Runtime:
                     self._zero.add(block)
             elif op.freed_src and op.src == DEVICE:  # a dead copy (a discarded block's)
                 gone[block] = None
+        # Device memory no copy holds any more goes back after the ops that survived the undo
+        # and still use it (an earlier write-back out of it, a copy into it), never under them;
+        # not at all where the undo restored a device copy.
         for block in gone:
-            self._release_device(block)
+            if DEVICE not in block.tiers:
+                self._give_back(block, DEVICE, None, restorable=False)
         log.warning("hetero: a transfer failed; undid %d transfer(s): %s", len(bad),
                     ", ".join(map(repr, sorted(bad, key=lambda o: o.seq))))
-
-    def _release_device(self, block: Block) -> None:
-        """Give back the device memory of ``block``, which has no device copy any more (an undone
-        transfer's, or a discarded block's whose hold was undone): at once, or through a hold
-        op after the ops that survived the undo and still use it (an earlier write-back out of
-        it, a copy into it), as :meth:`_free` does."""
-        if DEVICE in block.tiers:
-            return
-        if self._ops.touch(block, regions(block, DEVICE, None)):
-            self._issue(block, DEVICE, None, None, None, freed_src=True, prefetch=False).restorable = False
-        else:
-            self.storage.release(block, DEVICE)
 
     def _oom_message(self, block: Block, tier: str, why: str) -> str:
         tiers = ", ".join(f"{n}: {format_size(t.used)} used of {format_size(t.capacity)} "

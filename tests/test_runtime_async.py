@@ -113,10 +113,7 @@ def bounded_drain(rt: R.Runtime, stall: bool = False) -> None:
         op = rt._ops.first()
         if op.state not in ("queued", "running"):
             raise RuntimeError(f"drain would spin forever: {op} is still listed as in flight")
-        if stall:
-            rt._wait_for([op], stall=True)
-        else:
-            rt._wait_op(op)
+        rt._wait_for([op], stall)
 
 
 def guard(rt: R.Runtime) -> R.Runtime:
