@@ -148,6 +148,34 @@ class HeteroState:
     def end_step(self) -> None:
         self.runtime.end_step()
 
+    def zero_grad(self, params: Optional[set[int]], set_to_none: bool) -> None:
+        """Clear the gradients of the parameters whose ids are in ``params`` (None: all), in
+        their grad blocks (``param.grad`` stays None: the blocks hold the gradients)."""
+        self.drop_stale_pins()
+        for chunk in self.chunks:
+            if not chunk.requires_grad:
+                continue
+            slots = [s for s in chunk.slots if s.has_grad and (params is None or id(s.param) in params)]
+            if not slots:
+                continue
+            chunk.grad_scale = None
+            if set_to_none:
+                for s in slots:
+                    s.has_grad = False
+                # Dead bytes: free them everywhere (a postponed update frees them once it ran).
+                if not any(s.has_grad for s in chunk.slots) and not self.runtime.postponed(chunk.blocks[GRAD].chunk_id):
+                    self.runtime.discard(chunk.blocks[GRAD])
+                continue
+            block = chunk.blocks[GRAD]
+            tier = self.runtime.working_tier(block)
+            self.runtime.acquire([block], tier, write=True)
+            try:
+                flat = self.runtime.data(block, tier)
+                for s in slots:
+                    s.slice(flat).zero_()
+            finally:
+                self.runtime.release([block], tier)
+
     def drop_stale_pins(self) -> None:
         """Nothing is pinned between passes: pins found outside forward and backward were left by
         a pass that raised half-way (its release hooks and end-of-backward callbacks never ran).
@@ -293,6 +321,10 @@ class HeteroModule(nn.Module):
             yield
         finally:
             self._hetero_state.sync_grads = prev
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``nn.Module.zero_grad``: the gradients live in hetero's grad blocks."""
+        self._hetero_state.zero_grad(None, set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients in place wherever they live; returns the total norm (as torch's

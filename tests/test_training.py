@@ -222,3 +222,117 @@ def test_eval_under_no_grad_matches(tight: dict) -> None:
     with torch.no_grad():
         torch.testing.assert_close(wrapped(x), model(x))
     assert_within_budgets(wrapped)
+
+
+def test_model_zero_grad_clears_the_gradients(tight: dict) -> None:
+    """``model.zero_grad()`` instead of the optimizer's: gradients live in grad blocks, not in
+    ``param.grad``, and the module's own zero_grad must clear them there (both modes)."""
+    modes = iter([True, False, True, False])
+
+    def step(model, opt, batch):
+        x, y = batch
+        loss = loss_of(model(x, y))
+        loss.backward()
+        opt.step()
+        model.zero_grad(set_to_none=next(modes) if isinstance(model, hetero.HeteroModule) else True)
+        return loss.item()
+
+    e, h, eager, wrapped = train_pair(make, tight, batches(4, seed=3), step_fn=step)
+    assert h == pytest.approx(e, rel=1e-5)
+    assert_same_model(eager, wrapped)
+    wrapped.close()
+
+
+def test_loading_a_state_without_a_parameter_restarts_its_moments(tight: dict) -> None:
+    """Resetting the optimizer with a state dict saved before its first step (no per-parameter
+    state): torch starts every parameter afresh (step 0, zero moments), and so must hetero,
+    including where the chunk's moments already exist. Saved group keys it does not know (a
+    scheduler's initial_lr) come back too, as in torch."""
+    data = batches(6, seed=11)
+    eager = make()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
+    topt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    fresh = [copy.deepcopy(o.state_dict()) for o in (topt, hopt)]
+    for o in (topt, hopt):
+        torch.optim.lr_scheduler.StepLR(o, 1, 0.5)  # adds initial_lr to the groups
+    half = {}
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            half = {id(o): copy.deepcopy(o.state_dict()) for o in (topt, hopt)}
+            for o, sd in zip((topt, hopt), fresh):
+                o.load_state_dict(sd)
+        for model, opt in ((eager, topt), (wrapped, hopt)):
+            loss_of(model(x, y)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+    assert hopt.state_dict()["state"][0]["step"] == 3
+    for o in (topt, hopt):  # group keys round-trip: a scheduler resumes from the loaded state
+        o.load_state_dict(half[id(o)])
+        assert o.param_groups[0]["initial_lr"] == 1e-2
+        torch.optim.lr_scheduler.StepLR(o, 1, 0.5, last_epoch=2)
+    wrapped.close()
+
+
+@pytest.mark.parametrize("how", ["group", "state_dict"])
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad"])
+def test_unsupported_flags_raise_however_they_arrive(tight: dict, flag: str, how: str) -> None:
+    """Options hetero's Adam does not implement raise before anything changes, set in a group
+    after construction or loaded from torch's state dict, instead of being ignored."""
+    wrapped = hetero.wrap(make(), **tight)
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    x, y = batches(1)[0]
+    loss_of(wrapped(x, y)).backward()
+    before = wrapped.state_dict()
+    with pytest.raises(hetero.HeteroConfigError, match=flag):
+        if how == "group":
+            opt.param_groups[0][flag] = True
+            opt.step()
+        else:
+            plain = make()
+            topt = torch.optim.AdamW(plain.parameters(), lr=1e-2, **{flag: True})
+            opt.load_state_dict(topt.state_dict())
+    for k, v in wrapped.state_dict().items():
+        assert torch.equal(v, before[k])
+    if how == "state_dict":
+        assert opt.param_groups[0][flag] is False  # nothing was loaded
+    wrapped.close()
+
+
+def test_a_parameter_unfrozen_after_wrap_raises() -> None:
+    """Chunks are packed at wrap time by requires_grad: a parameter frozen then has no grad
+    block, so unfrozen later its gradient would go nowhere. The optimizer says so."""
+    model = make()
+    frozen = next(p for p in model.parameters())
+    frozen.requires_grad_(False)
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB")
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    frozen.requires_grad_(True)
+    x, y = batches(1)[0]
+    loss_of(wrapped(x, y)).backward()
+    with pytest.raises(hetero.HeteroConfigError, match="frozen"):
+        opt.step()
+    with pytest.raises(hetero.HeteroConfigError, match="frozen"):
+        hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    wrapped.close()
+
+
+def test_adam_takes_torch_newer_arguments() -> None:
+    """torch 2.13's Adam arguments: a tensor lr, and decoupled_weight_decay=True (AdamW)."""
+    data = batches(3, seed=2)
+    results = []
+    for cls, kw in ((hetero.optim.Adam, dict(lr=torch.tensor(1e-2), weight_decay=0.1, decoupled_weight_decay=True)),
+                    (hetero.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))):
+        wrapped = hetero.wrap(make(), device="cpu", chunk_size="8KiB")
+        opt = cls(wrapped.parameters(), **kw)
+        for x, y in data:
+            loss_of(wrapped(x, y)).backward()
+            opt.step()
+            opt.zero_grad()
+        results.append(wrapped.state_dict())
+        wrapped.close()
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k])
+    with pytest.raises(hetero.HeteroConfigError, match="betas"):
+        hetero.optim.AdamW(hetero.wrap(make(), device="cpu").parameters(), betas=None)

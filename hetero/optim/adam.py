@@ -41,30 +41,45 @@ log = logging.getLogger(__name__)
 _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
+def _check_supported(group: dict[str, Any], where: str) -> None:
+    """Refuse the options hetero's Adam does not implement, wherever they come from (the
+    constructor, a parameter group changed in place, a loaded state dict): ignored, they would
+    make the results differ from torch's in silence."""
+    for name in _UNSUPPORTED:
+        if group.get(name):
+            raise HeteroConfigError(f"{where}{name}={group[name]!r} is not supported by hetero.optim; "
+                                    f"expected {name}=False")
+
+
 class Adam(torch.optim.Optimizer):
     """``torch.optim.Adam`` (L2 weight decay) for parameters of a :class:`hetero.HeteroModule`."""
 
     _hetero = True
-    _decoupled = False
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, amsgrad: bool = False,
-                 maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
-                 differentiable: bool = False, fused: Optional[bool] = None) -> None:
-        for name, value, ok in (("lr", lr, isinstance(lr, (int, float)) and lr >= 0),
-                                ("eps", eps, isinstance(eps, (int, float)) and eps >= 0),
-                                ("weight_decay", weight_decay, isinstance(weight_decay, (int, float)) and weight_decay >= 0),
-                                ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas))):
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 *, amsgrad: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
+                 decoupled_weight_decay: bool = False) -> None:
+        def number(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+
+        lr_ok = number(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and bool(lr >= 0))
+        betas_ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            number(b) and b < 1 for b in betas)
+        for name, value, ok in (("lr", lr, lr_ok), ("eps", eps, number(eps)),
+                                ("weight_decay", weight_decay, number(weight_decay)), ("betas", betas, betas_ok)):
             if not ok:
                 raise HeteroConfigError(f"{name}={value!r} is not accepted; expected a non-negative float"
-                                        + (" pair, each in [0, 1)" if name == "betas" else ""))
-        for name, value in zip(_UNSUPPORTED, (amsgrad, maximize, capturable, differentiable)):
-            if value:
-                raise HeteroConfigError(f"{name}=True is not supported by hetero.optim; expected {name}=False")
+                                        + (" pair, each in [0, 1)" if name == "betas" else
+                                           " (or a one-element tensor)" if name == "lr" else ""))
+        _check_supported(dict(amsgrad=amsgrad, maximize=maximize, capturable=capturable,
+                              differentiable=differentiable), "")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=False, foreach=foreach, capturable=False, differentiable=False,
-                        fused=fused, decoupled_weight_decay=self._decoupled)
+                        fused=fused, decoupled_weight_decay=bool(decoupled_weight_decay))
         self._state = None
+        self._frozen: list[tuple[torch.Tensor, str]] = []  # parameters of chunks packed frozen
         self._queue = AdamQueue()  # runs deferred host updates, in order, off the GIL
         super().__init__(params, defaults)
 
@@ -84,7 +99,21 @@ class Adam(torch.optim.Optimizer):
                 self._state = st
             elif st is not self._state:
                 raise HeteroConfigError("params come from two HeteroModules; expected one per optimizer")
+            chunk, slot = st.slot_of[id(p)]
+            if not chunk.requires_grad:
+                self._frozen.append((p, slot.names[0]))
+        self._check_frozen()
         self._check_capacity()
+
+    def _check_frozen(self) -> None:
+        """A parameter frozen when the model was wrapped was packed into a chunk without
+        gradients: unfrozen later, its gradient would go nowhere and the step would skip it."""
+        for p, name in self._frozen:
+            if p.requires_grad:
+                raise HeteroConfigError(
+                    f"parameter {name!r} was frozen (requires_grad=False) when hetero.wrap packed "
+                    "it into a chunk without gradients, and requires a gradient now; expected "
+                    "requires_grad set as it will be trained before hetero.wrap")
 
     def _group_index(self) -> dict[int, int]:
         return {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
@@ -193,6 +222,9 @@ class Adam(torch.optim.Optimizer):
         st = self._state
         if st is None:
             return loss
+        for i, group in enumerate(self.param_groups):
+            _check_supported(group, f"param_groups[{i}]: ")
+        self._check_frozen()
         st.drop_stale_pins()
         rt = st.runtime
         rt.catch_up()  # the last step's postponed updates first: they read its gradients
@@ -335,7 +367,7 @@ class Adam(torch.optim.Optimizer):
             # Square roots as torch's default Adam takes them (bit-identical), or with fused=True
             # as torch's fused AdamW does (IEEE sqrt: one pass, faster).
             kwargs = dict(step=step + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                          weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                           grad_scale=chunk.grad_scale, sqrt="ieee" if group.get("fused") else "torch")
             calls.append((start, end, kwargs))
         slots = [s for s in chunk.slots if id(s.param) in groups and s.has_grad]
@@ -396,32 +428,8 @@ class Adam(torch.optim.Optimizer):
             rt.release([grad] + writes, tier)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        st = self._state
-        if st is None:
-            return
-        st.drop_stale_pins()
-        groups = self._group_index()
-        for chunk in self._chunks():
-            slots = [s for s in chunk.slots if id(s.param) in groups and s.has_grad]
-            if not slots:
-                continue
-            chunk.grad_scale = None
-            if set_to_none:
-                for s in slots:
-                    s.has_grad = False
-                # Dead bytes: free them everywhere (a postponed update frees them once it ran).
-                if not any(s.has_grad for s in chunk.slots) and not st.runtime.postponed(chunk.blocks[GRAD].chunk_id):
-                    st.runtime.discard(chunk.blocks[GRAD])
-                continue
-            block = chunk.blocks[GRAD]
-            tier = st.runtime.working_tier(block)
-            st.runtime.acquire([block], tier, write=True)
-            try:
-                flat = st.runtime.data(block, tier)
-                for s in slots:
-                    s.slice(flat).zero_()
-            finally:
-                st.runtime.release([block], tier)
+        if self._state is not None:
+            self._state.zero_grad(set(self._group_index()), set_to_none)
 
     # ------------------------------------------------------------------ state dict (torch's format)
 
@@ -455,26 +463,33 @@ class Adam(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._state is not None:
-            self._state.runtime.catch_up()  # else they would run on top of the loaded state
+        """torch's ``Optimizer.load_state_dict``: every key of the saved groups (a scheduler's
+        ``initial_lr`` too), and per parameter its step count and moments; a parameter the
+        saved state has none for starts afresh (step 0, zero moments), as in torch."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
             raise HeteroConfigError("state_dict has parameter groups of different sizes than this "
                                     "optimizer's; expected a state dict of an optimizer over the same parameters")
+        for i, saved in enumerate(saved_groups):
+            _check_supported(saved, f"state_dict's param_groups[{i}]: ")
+        if self._state is not None:
+            self._state.runtime.catch_up()  # else they would run on top of the loaded state
         for saved, group in zip(saved_groups, self.param_groups):
             for k, v in saved.items():
-                if k != "params" and k in group:
+                if k != "params":
                     group[k] = tuple(v) if k == "betas" else v
         saved_state = state_dict["state"]
-        by_chunk: dict[int, list[tuple[ParamSlot, dict]]] = {}
+        by_chunk: dict[int, list[tuple[ParamSlot, Optional[dict]]]] = {}
         chunks = {}
         for i, chunk, slot in self._slots_in_order():
             entry = saved_state.get(i)
             if entry is None:
-                slot.step = 0
-                continue
-            slot.step = int(entry["step"].item() if isinstance(entry["step"], torch.Tensor) else entry["step"])
+                stepped, slot.step = slot.step, 0
+                if not stepped or not _has_states(chunk):
+                    continue  # (its moments are zero, or not made yet)
+            else:
+                slot.step = int(entry["step"].item() if isinstance(entry["step"], torch.Tensor) else entry["step"])
             by_chunk.setdefault(chunk.index, []).append((slot, entry))
             chunks[chunk.index] = chunk
         rt = self._state.runtime
@@ -484,18 +499,20 @@ class Adam(torch.optim.Optimizer):
                 block = chunk.add_block(kind, chunk.state_dtype)
                 flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=block.dtype)
                 for slot, entry in items:
-                    slot.slice(flat).copy_(entry[kind])
+                    if entry is None:
+                        slot.slice(flat).zero_()
+                    else:
+                        slot.slice(flat).copy_(entry[kind])
                 rt.write(block, flat)
 
 
 class AdamW(Adam):
     """``torch.optim.AdamW`` (decoupled weight decay) for parameters of a HeteroModule."""
 
-    _decoupled = True
-
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True, **kwargs)
 
 
 def _has_states(chunk: Chunk) -> bool:
