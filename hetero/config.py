@@ -74,6 +74,19 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def exact_size(nbytes: int) -> str:
+    """Bytes, exactly and readably (``'1572864 bytes (1.50 MiB)'``): what error messages give, so
+    that the figure can be passed back as a budget."""
+    return f"{nbytes} bytes ({format_size(nbytes)})"
+
+
+def raise_budget_advice(nvme: bool) -> str:
+    """What to change when the tiers together are too small."""
+    if nvme:
+        return "raise device_budget, host_budget or nvme_budget"
+    return "raise device_budget or host_budget, or set nvme_path to add an NVMe tier"
+
+
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
     """Dtypes used for compute (``param_dtype``), gradient reduction and buffers.

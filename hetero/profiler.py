@@ -25,7 +25,8 @@ class Report:
                  usage: list[tuple[float, str, int]], stalls: list[tuple[float, float, str]],
                  events: list[tuple] = (), catalog: Optional[dict[str, tuple[str, int]]] = None,
                  slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None,
-                 policy: Any = _UNKNOWN, nvme_files: Optional[list[int]] = None) -> None:
+                 policy: Any = _UNKNOWN, nvme_files: Optional[list[int]] = None,
+                 computes: list[tuple[str, str, float, float]] = ()) -> None:
         # policy: what a replay starts from (a name, or a copy of the run's instance taken before
         # it ran); None where the instance could not be copied; by default the summary's name.
         self._summary = summary
@@ -34,6 +35,7 @@ class Report:
         self.moves = moves
         self.usage = usage
         self.stalls = stalls
+        self.computes = list(computes)  # (unit or "optimizer", phase, start, end)
         self.events = list(events)  # every runtime call, for replay in the simulator
         self.catalog = catalog or {}  # block id -> (kind, bytes)
         self.slot_size = slot_size
@@ -74,7 +76,7 @@ class Report:
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
         return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
                    list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
-                   state.policy_start, rt.nvme_files)
+                   state.policy_start, rt.nvme_files, list(tr.computes))
 
     def capacities(self, **budgets: Optional[int]) -> dict[str, int]:
         """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced."""
@@ -157,28 +159,38 @@ class Report:
                 f.write(json.dumps(a.as_dict()) + "\n")
 
     def to_chrome_trace(self, path: str) -> None:
-        """Chrome/Perfetto trace: moves (one track per direction), stalls, and tier usage counters."""
+        """Chrome/Perfetto trace (JSON, microseconds): compute (each wrapped unit's forward,
+        backward and activation-checkpointing recompute, nested as the units are, and the
+        optimizer's steps), stalls (waits for a block), moves (one track per direction) and the
+        bytes used per tier as counters."""
+        compute, stall = 1, 2
+        tids = {"compute": compute, "stalls": stall}
         events: list[dict[str, Any]] = []
-        tids = {}
+
+        def span(name: str, cat: str, tid: int, start: float, end: float, **args: Any) -> None:
+            events.append({"name": name, "cat": cat, "ph": "X", "pid": 1, "tid": tid, "ts": start * 1e6,
+                           "dur": max((end - start) * 1e6, 0.001), **({"args": args} if args else {})})
+
+        for what, phase, start, end in self.computes:
+            span(f"{phase} {what or '(root)'}", "compute", compute, start, end, unit=what, phase=phase)
+        for start, end, block in self.stalls:
+            span(f"stall {block}", "stall", stall, start, end, block=block)
         for m in self.moves:
             direction = f"{m.src}->{m.dst}"
-            tid = tids.setdefault(direction, len(tids) + 1)
-            events.append({"name": m.block, "cat": "move", "ph": "X", "pid": 1, "tid": tid,
-                           "ts": m.start * 1e6, "dur": max((m.end - m.start) * 1e6, 0.001),
-                           "args": {"bytes": m.bytes, "direction": direction}})
-        for start, end, block in self.stalls:
-            events.append({"name": f"stall {block}", "cat": "stall", "ph": "X", "pid": 1, "tid": 0,
-                           "ts": start * 1e6, "dur": max((end - start) * 1e6, 0.001)})
+            span(m.block, "move", tids.setdefault(direction, len(tids) + 1), m.start, m.end,
+                 bytes=m.bytes, direction=direction, prefetch=m.prefetch)
         for t, tier, used in self.usage:
-            events.append({"name": f"{tier} bytes", "ph": "C", "pid": 1, "ts": t * 1e6, "args": {"used": used}})
-        meta = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}
-                for name, tid in tids.items()]
-        meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "stalls"}})
+            events.append({"name": f"{tier} bytes", "cat": "usage", "ph": "C", "pid": 1, "ts": t * 1e6,
+                           "args": {"used": used}})
+        meta = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "hetero"}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}
+                 for name, tid in tids.items()]
         with open(path, "w") as f:
             json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, f)
 
     def plot(self, path: str) -> None:
-        """PNG of bytes used per tier over time, with moves marked as ticks on the time axis."""
+        """PNG of bytes used per tier over time (budgets dashed), with moves marked as ticks on
+        the time axis and stalls as red spans along it."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -192,12 +204,16 @@ class Report:
                 line, = ax.step(xs, [y / 2**20 for y in ys], where="post", label=f"{name} used")
                 ax.axhline(tier["capacity"] / 2**20, color=line.get_color(), ls="--", lw=0.8,
                            label=f"{name} budget")
+        caps = [t["capacity"] for t in self._summary["tiers"].values()]
+        peak = max([u for _, _, u in self.usage] + [1])
+        top = min(max(caps), peak * 1.5) / 2**20
         if self.moves:
             ax.plot([m.start for m in self.moves], [0] * len(self.moves), "|", color="k", ms=8,
                     label="moves")
-        caps = [t["capacity"] for t in self._summary["tiers"].values()]
-        peak = max([u for _, _, u in self.usage] + [1])
-        ax.set_ylim(0, min(max(caps), peak * 1.5) / 2**20)
+        if self.stalls:  # a band along the bottom, red where compute waited
+            ax.broken_barh([(s, e - s) for s, e, _ in self.stalls], (0, top * 0.04), color="tab:red",
+                           label="stalls")
+        ax.set_ylim(0, top)
         ax.set_xlabel("seconds")
         ax.set_ylabel("MiB")
         ax.set_title(f"hetero placement ({self._summary['policy']}, {self._summary['steps']} steps)")

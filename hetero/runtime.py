@@ -53,8 +53,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from .chunks import EXP_AVG, Block, Chunk
-from .config import Config, format_size
-from .errors import HeteroIOError, HeteroOOMError
+from .config import Config, exact_size, raise_budget_advice
+from .errors import HeteroIOError, HeteroOOMError, HeteroStateError
 from .policies import BlockInfo, Policy
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SlotPool, SwapSpace, Tier, TierStorage,
                     is_small, slot_cost, slot_size_for, slots_for)
@@ -124,6 +124,7 @@ class Runtime:
         self._postpone_seq = itertools.count()
         self._last_at = -1  # when the postponed work that ran (runs) last was postponed
         self._failure: Optional[BaseException] = None  # found by a release, raised by the next pump
+        self.closed = False  # (close(): nothing may move any more)
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -190,6 +191,7 @@ class Runtime:
         the policy's choice. A block homed on NVMe is made on the host and written there, or,
         zero-filled, only takes its NVMe slots (nothing is written, and its first fetch fills
         the host copy instead of reading); it stays on the host if NVMe has no room for it."""
+        self._check_open()
         assert not block.tiers, f"{block} already exists"
         self._blocks[block.id] = block
         self._sizes[block.id] = block.nbytes
@@ -260,6 +262,7 @@ class Runtime:
         :meth:`transaction`), because the caller is about to change the data. Raises
         HeteroOOMError when the tier cannot hold them, HeteroIOError when a transfer failed.
         """
+        self._check_open()
         self._pump()
         if self._postponed:
             self.catch_up({b.chunk_id for b in blocks})
@@ -295,8 +298,9 @@ class Runtime:
                 if (self._txn is not None and keep is None and block not in self._txn.shadows
                         and block not in self._txn.created and block not in self._txn.lost):
                     self._txn.lose(block)
-                    log.warning("hetero: %s is written with no older copy to keep; this optimizer "
-                                "step can no longer be undone if a transfer fails", block.id)
+                    log.warning("hetero: %s is written with no older copy to keep; this update (an "
+                                "optimizer step, a state-dict load) can no longer be undone if a "
+                                "transfer fails", block.id)
                 for other in others:
                     assert not block.pins.get(other), f"{block} is written on {tier} while pinned on {other}"
                     if other == keep:
@@ -342,6 +346,25 @@ class Runtime:
         finally:
             self.release([block], tier)
 
+    def write_all(self, values: Iterable[tuple[Block, torch.Tensor]]) -> None:
+        """Overwrite each block with its value (as :meth:`write`), all or nothing: inside a
+        :meth:`transaction`, each block's previous version is kept until every write, and every
+        transfer the writes caused, has landed; a failure rolls them all back and raises. (A
+        previous version with no room left to keep it is given up, logged: see
+        :meth:`ensure_shadow`.) ``values`` may be a generator, read inside the transaction, so
+        that only one value need exist at a time. Without an NVMe tier no write can fail
+        half-way (only swap I/O fails), and none keeps a previous version."""
+        if NVME not in self.tiers:
+            for block, value in values:
+                self.write(block, value)
+            return
+        with self.transaction():
+            for block, value in values:
+                if block.tiers:
+                    self.ensure_shadow(block, self.working_tier(block))
+                self.write(block, value)
+            self.drain()
+
     def discard(self, block: Block) -> None:
         """Drop every copy of ``block``: its contents are dead (gradients after zero_grad). The
         next acquire creates it afresh where it is needed, moving nothing."""
@@ -379,7 +402,16 @@ class Runtime:
             assert op.pending, f"runtime bug: {op} left in flight"
             self._wait_for([op], stall)
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise HeteroStateError("this model was closed (HeteroModule.close()): its state can no "
+                                   "longer be read, moved or trained; expected no use of the model "
+                                   "or its optimizer after close() (wrap the module again instead)")
+
     def close(self) -> None:
+        """Drain, drop what is still postponed and remove the swap files; every later use of
+        the model's state raises HeteroStateError. Idempotent."""
+        self.closed = True
         if self._postponed:  # nothing can read the model once its swap files are gone
             log.debug("hetero: closing with %d postponed update(s) not run", len(self._postponed))
             self._postponed.clear()
@@ -433,6 +465,7 @@ class Runtime:
         again at the next touch (a failure rolls forward, not back), keeping its place ``at``
         in the order. :meth:`close` drops what is still postponed. Recorded in the event log,
         as is each run (a replay runs nothing: the work's own acquires are in the log)."""
+        self._check_open()
         assert chunk_id not in self._postponed, f"runtime bug: {chunk_id} postponed twice"
         self.tracker.event("postpone", chunk_id, first)
         entry = (run, needs, next(self._postpone_seq) if at is None else at)
@@ -588,8 +621,8 @@ class Runtime:
             self._replicate(block, tier, below[0], {block})
         except HeteroOOMError:
             self._txn.lose(block)
-            log.warning("hetero: no room for the previous version of %s; this optimizer step can no "
-                        "longer be undone if a transfer fails", block.id)
+            log.warning("hetero: no room for the previous version of %s; this update (an optimizer "
+                        "step, a state-dict load) can no longer be undone if a transfer fails", block.id)
             return False
         return True
 
@@ -1394,11 +1427,11 @@ class Runtime:
                     ", ".join(map(repr, sorted(bad, key=lambda o: o.seq))))
 
     def _oom_message(self, block: Block, tier: str, why: str) -> str:
-        tiers = ", ".join(f"{n}: {format_size(t.used)} used of {format_size(t.capacity)} "
-                          f"({format_size(sum(self._size_on(n, b) for b in self.blocks() if b.pins.get(n)))} pinned)"
+        tiers = ", ".join(f"{n}: {exact_size(t.used)} used of {exact_size(t.capacity)} "
+                          f"({exact_size(sum(self._size_on(n, b) for b in self.blocks() if b.pins.get(n)))} pinned)"
                           for n, t in self.tiers.items())
-        return (f"cannot place block {block.id} ({format_size(block.nbytes)}) on the {tier} tier: {why}. "
-                f"Tiers: {tiers}. Raise device_budget/host_budget, or set nvme_path to add an NVMe tier.")
+        return (f"cannot place block {block.id} ({exact_size(block.nbytes)}) on the {tier} tier: {why}. "
+                f"Tiers: {tiers}. To fix: {raise_budget_advice(NVME in self.tiers)}.")
 
 
 class _Transaction:

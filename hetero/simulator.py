@@ -65,7 +65,7 @@ class SimStorage:
                  nvme_files: Optional[Sequence[int]] = None) -> None:
         slots = capacities[HOST] // slot_size
         self.host = SlotPool(max(1, slots if host_slots is None else min(slots, host_slots)), slot_size)
-        files = nvme_files or [max(1, capacities.get(NVME, 0) // slot_size)]
+        files = nvme_files if nvme_files is not None else [max(1, capacities.get(NVME, 0) // slot_size)]
         self.nvme = [SlotPool(n, slot_size) for n in files]  # one per swap file, searched in order
 
     def place(self, block: SimBlock, tier: str) -> bool:

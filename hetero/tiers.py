@@ -16,7 +16,9 @@ import atexit
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import weakref
 from typing import Callable, Optional
 
@@ -369,6 +371,8 @@ def swap_alloc(pools: "list[SlotPool]", nbytes: int, owner: object):
         off = pool.alloc(nbytes, owner)
         if off is not None:
             return i, off
+    if not pools:
+        return None
     slot = pools[0].slot_size
     n = slots_for(nbytes, slot)
     if n < 2:
@@ -385,6 +389,8 @@ def swap_fits(pools: "list[SlotPool]", nbytes: int) -> bool:
     """Whether :func:`swap_alloc` would find room for ``nbytes`` now."""
     if any(p.fits(nbytes) for p in pools):
         return True
+    if not pools:
+        return False
     n = slots_for(nbytes, pools[0].slot_size)
     return n > 1 and sum(len(p.free_slots()) for p in pools) >= n
 
@@ -458,26 +464,54 @@ def make_private_dir(parent: str) -> str:
 
 
 def _remove_dir(path: str) -> None:
+    _LIVE_DIRS.discard(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+_LIVE_DIRS: set[str] = set()  # swap directories not removed yet
+
+
+def _remove_on_sigterm() -> None:
+    """Remove swap directories when the process is terminated by SIGTERM (``kill``, ``timeout``,
+    a batch scheduler or container stop), which by default ends Python without running its exit
+    handlers. Installed only where SIGTERM has its default action and from the main thread (a
+    handler the program set is left alone); the handler removes the directories, then lets the
+    default action end the process as before (killed by SIGTERM). A SIGKILL still leaves them:
+    nothing runs then."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the program's own handler (or ours, already)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    for path in list(_LIVE_DIRS):
+        _remove_dir(path)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SwapSpace:
     """Swap files for the NVMe tier: a few large files in a private directory.
 
     Files are created 0600 inside a 0700 directory made just for this module; the directory is
-    removed by :meth:`close`, when the object is garbage collected, and at interpreter exit, so
-    swap never outlives the process that wrote it (an exception in a training step included).
+    removed by :meth:`close`, when the object is garbage collected, at interpreter exit and when
+    SIGTERM ends the process (:func:`_remove_on_sigterm`), so swap never outlives the process
+    that wrote it (an exception in a training step included), unless it is killed by SIGKILL.
     """
 
     MAX_FILES = 4
 
     @classmethod
     def layout(cls, capacity: int, slot_size: int, largest_block: int) -> list[int]:
-        """Slots of each swap file for ``capacity`` bytes: up to MAX_FILES equal files, each
-        large enough for the largest block (the simulator carves the same pools)."""
-        total_slots = max(1, capacity // slot_size)
-        per_file = max(-(-total_slots // cls.MAX_FILES), -(-largest_block // slot_size))
-        return [per_file] * max(1, min(cls.MAX_FILES, -(-total_slots // per_file)))
+        """Slots of each swap file for ``capacity`` bytes, whose whole slots the files never
+        exceed (``nvme_budget`` caps the bytes on disk): up to MAX_FILES files, each but the
+        last large enough for the largest block (a larger one is scattered over free slots).
+        None where not one slot fits. The simulator carves the same pools."""
+        total = capacity // slot_size
+        per_file = max(-(-total // cls.MAX_FILES), min(total, -(-largest_block // slot_size)), 1)
+        return [min(per_file, total - start) for start in range(0, total, per_file)]
 
     def __init__(self, parent: str, capacity: int, slot_size: int, largest_block: int,
                  num_threads: int = 4) -> None:
@@ -485,14 +519,21 @@ class SwapSpace:
         # Remove the directory even if close() is never reached (exceptions, interpreter exit).
         self._finalizer = weakref.finalize(self, _remove_dir, self.dir)
         atexit.register(self._finalizer)
+        _LIVE_DIRS.add(self.dir)
+        _remove_on_sigterm()
         self.slots = self.layout(capacity, slot_size, largest_block)
-        nfiles, file_size = len(self.slots), self.slots[0] * slot_size
         self.io = engine.SwapIO(num_threads=num_threads)
-        self.files = [self.io.open(os.path.join(self.dir, f"swap-{i}.bin"), file_size)
-                      for i in range(nfiles)]
+        self.files = []
+        try:
+            for i, n in enumerate(self.slots):  # (a full disk fails here, reserving the space)
+                self.files.append(self.io.open(os.path.join(self.dir, f"swap-{i}.bin"), n * slot_size))
+        except BaseException:
+            self.close()  # the files reserved so far: their space is free again at once
+            raise
         self.pools = [SlotPool(n, slot_size) for n in self.slots]
-        log.info("NVMe tier: %d swap file(s) of %d bytes in %s (direct I/O: %s)", nfiles, file_size,
-                 self.dir, all(f.direct for f in self.files))
+        log.info("NVMe tier: %d swap file(s) of %s slots of %d bytes in %s (direct I/O: %s)",
+                 len(self.slots), "/".join(map(str, self.slots)), slot_size, self.dir,
+                 all(f.direct for f in self.files))
 
     def alloc(self, nbytes: int, owner: object):
         """Where free slots for ``nbytes`` are (:func:`swap_alloc`), or None."""

@@ -2,8 +2,8 @@
 compute made to a block, every move between tiers, stalls, and per-tier usage over time.
 
 The access log is complete by construction: the runtime records an access inside ``acquire``,
-which is the only way compute gets at a block. Moves and stalls carry wall-clock timestamps
-(seconds since the tracker was created) for the Chrome trace and the usage plot.
+which is the only way compute gets at a block. Moves, stalls and compute spans carry wall-clock
+timestamps (seconds since the tracker was created) for the Chrome trace and the usage plot.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class Tracker:
         self.moves: list[Move] = []
         self.usage: list[tuple[float, str, int]] = []  # (time, tier, bytes used after the change)
         self.stalls: list[tuple[float, float, str]] = []  # (start, end, block) waits for data
+        # (what, phase, start, end): a unit's forward / backward / recompute, the optimizer's step
+        self.computes: list[tuple[str, str, float, float]] = []
         self.optimizer_stall_seconds = 0.0  # the part of them spent on deferred optimizer updates
         self.step_stall: list[float] = []  # stall seconds per step (the first steps record and warm up)
         self.traffic = {d: 0 for d in DIRECTIONS}
@@ -123,6 +125,11 @@ class Tracker:
         if optimizer:
             self.optimizer_stall_seconds += end - start
 
+    def compute(self, what: str, phase: str, start: float) -> None:
+        """Compute ran from ``start`` until now: ``phase`` (forward, backward, recompute, step)
+        of ``what`` (a wrapped unit, the optimizer), for the trace and the plot."""
+        self.computes.append((what, phase, start, self.now()))
+
     @property
     def stall_seconds(self) -> float:
-        return sum(e - s for s, e, _ in self.stalls)
+        return sum((e - s for s, e, _ in self.stalls), 0.0)

@@ -50,6 +50,9 @@ class Call:
     unit: Unit
     forward_pinned: bool = False  # holds the param blocks for its forward
     pinned: bool = False  # holds the param blocks for its backward
+    forward_start: float = 0.0  # when its forward (its backward) had its blocks: the profiler's
+    backward_start: float = 0.0  # compute spans (Tracker.compute)
+    recompute: bool = False  # a forward activation checkpointing re-runs inside backward
 
 
 def default_auto_wrap_policy(root: nn.Module) -> Callable[[nn.Module, bool, int], bool]:

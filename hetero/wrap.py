@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
-from .config import Config, format_size
+from .config import Config, exact_size, format_size, raise_budget_advice
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .policies import make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
@@ -72,19 +72,24 @@ class HeteroState:
     def pre_forward(self, unit: Unit) -> Call:
         if torch._C._current_graph_task_id() == -1:  # a real forward
             self.runtime.acquire(unit.param_blocks)
-            return Call(unit, forward_pinned=True)
+            return Call(unit, forward_pinned=True, forward_start=self.runtime.tracker.now())
         # Activation checkpointing re-runs this forward inside backward. Non-reentrant checkpoint
         # may stop the re-run early, so the post-forward hook is not guaranteed: rely on the
         # backward pin when there is one, else pin until this backward pass ends.
-        call = Call(unit)
+        call = Call(unit, recompute=True)
         if unit.backward_pins == 0:
             self.runtime.acquire(unit.param_blocks)
             call.forward_pinned = True
+        call.forward_start = self.runtime.tracker.now()
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "_end_recompute", call))
         return call
 
     def post_forward(self, call: Call) -> None:
+        if call.forward_start:
+            self.runtime.tracker.compute(call.unit.name, "recompute" if call.recompute else "forward",
+                                         call.forward_start)
+            call.forward_start = 0.0
         if call.forward_pinned:
             self.runtime.release(call.unit.param_blocks)
             call.forward_pinned = False
@@ -100,6 +105,7 @@ class HeteroState:
         self.runtime.acquire(call.unit.param_blocks)
         call.pinned = True
         call.unit.backward_pins += 1
+        call.backward_start = self.runtime.tracker.now()
         # Released by _PostBackward, or at the latest when this backward pass ends.
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "post_backward", call))
@@ -107,6 +113,7 @@ class HeteroState:
     def post_backward(self, call: Call) -> None:
         self.release_grad_pin()
         if call.pinned:
+            self.runtime.tracker.compute(call.unit.name, "backward", call.backward_start)
             self.runtime.release(call.unit.param_blocks)
             call.pinned = False
             call.unit.backward_pins -= 1
@@ -203,7 +210,12 @@ class HeteroState:
     @contextlib.contextmanager
     def full_params(self, writeback: bool) -> Iterator[None]:
         """Point every parameter at a full-precision CPU copy of its value (the master when mixed
-        precision keeps one); optionally write changes back."""
+        precision keeps one); optionally write changes back. Nested (``state_dict()`` inside
+        ``summon_full_params()``), the inner call uses the outer one's copies as they are, and
+        the outermost call alone writes back (or not)."""
+        if self.summoned:
+            yield
+            return
         self.runtime.catch_up()  # postponed optimizer updates first: their moves detach params
         copies: list[tuple[Chunk, torch.Tensor]] = []
         self.summoned = True
@@ -214,11 +226,10 @@ class HeteroState:
                 for s in chunk.slots:
                     s.param.data = s.slice(flat)
             yield
-            if writeback:
-                for chunk, flat in copies:
-                    if MASTER in chunk.blocks:
-                        self.runtime.write(chunk.blocks[MASTER], flat)
-                    self.runtime.write(chunk.blocks[PARAM], flat.to(chunk.dtype))
+            if writeback:  # all or nothing: a failed transfer leaves every parameter as it was
+                self.runtime.write_all(
+                    [(chunk.blocks[MASTER], flat) for chunk, flat in copies if MASTER in chunk.blocks]
+                    + [(chunk.blocks[PARAM], flat.to(chunk.dtype)) for chunk, flat in copies])
         finally:
             self.summoned = False
             for chunk, _ in copies:
@@ -435,11 +446,12 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
     total = sum(b.nbytes for c in chunks for b in c.blocks.values())
     capacity = cfg.device_budget + cfg.host_budget + cfg.nvme_budget
     if total > capacity:
+        nvme = cfg.nvme_path is not None
         raise HeteroOOMError(
-            f"the model's parameters and gradients need {format_size(total)} but the tiers hold "
-            f"{format_size(capacity)} (device {format_size(cfg.device_budget)}, host "
-            f"{format_size(cfg.host_budget)}, nvme {format_size(cfg.nvme_budget)}); raise a budget or "
-            "set nvme_path")
+            f"the model's parameters and gradients need {exact_size(total)} but the tiers hold "
+            f"{exact_size(capacity)} (device {exact_size(cfg.device_budget)}, host "
+            f"{exact_size(cfg.host_budget)}" + (f", nvme {exact_size(cfg.nvme_budget)}" if nvme else "")
+            + f"); {raise_budget_advice(nvme)}")
 
 
 def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,

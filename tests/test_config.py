@@ -380,8 +380,8 @@ def test_oom_without_nvme(tmp_path):
     params_and_grads = state_bytes(make_model()) // 2
     assert dev + host < params_and_grads  # else this test needs a bigger model
     msg = expect_oom(tmp_path, device_budget=dev, host_budget=host)
-    assert "device" in msg and "host" in msg
-    assert re.search(r"\d", msg)
+    assert f"device {dev} bytes" in msg and f"host {host} bytes" in msg  # exact, to pass back
+    assert "set nvme_path" in msg and "nvme " not in msg
 
 
 def test_oom_with_small_nvme(tmp_path):
@@ -391,7 +391,8 @@ def test_oom_with_small_nvme(tmp_path):
     assert dev + host + nvme < params_and_grads
     msg = expect_oom(tmp_path, device_budget=dev, host_budget=host, nvme_path=str(tmp_path / "swap"),
                      nvme_budget=nvme)
-    assert "nvme" in msg
+    assert f"nvme {nvme} bytes" in msg and "nvme_budget" in msg
+    assert "set nvme_path" not in msg  # (it is set)
     assert not (tmp_path / "swap").exists()
 
 

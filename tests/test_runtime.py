@@ -3,6 +3,8 @@ host headroom it keeps above NVMe."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -300,6 +302,7 @@ def test_oom_error_names_the_numbers() -> None:
     with pytest.raises(hetero.HeteroOOMError) as err:
         hetero.optim.AdamW(model.parameters())  # m and v need 2x the params: more than is free
     assert "optimizer states need" in str(err.value) and "KiB" in str(err.value) and "host" in str(err.value)
+    assert re.search(r"need \d+ bytes", str(err.value)) and "set nvme_path" in str(err.value)
 
 
 def test_access_log_is_complete_and_ordered(tmp_path) -> None:

@@ -3,7 +3,8 @@
 With ``nvme_path=DIR`` the runtime makes a private ``DIR/hetero-swap-*`` directory (0700) holding its
 swap files (0600) while the module lives, and removes it when the module is garbage collected, on
 ``close()``, after an exception in a training step once the module is freed, and at interpreter exit
-(normal or by an uncaught exception). Swap never outlives the process that wrote it.
+(normal, by an uncaught exception, or by SIGTERM). Swap never outlives the process that wrote it
+(short of SIGKILL), and never holds more than ``nvme_budget`` bytes on disk.
 """
 
 from __future__ import annotations
@@ -160,6 +161,22 @@ def test_removed_by_close(tmp_path):
     assert swap_dirs(tmp_path) == []
 
 
+def test_a_closed_model_refuses_further_use(tmp_path):
+    """After close() the swap files are gone: forward, the optimizer's step (with gradients
+    pending) and the state dicts raise HeteroStateError instead of failing on dead files or
+    dropping the step in silence; the report still reads."""
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt)
+    x, y = batches(1, seed=3)[0]
+    model(x, y).backward()
+    model.close()
+    for call in (lambda: model(x, y), opt.step, model.state_dict, opt.state_dict):
+        with pytest.raises(hetero.HeteroStateError, match="closed"):
+            call()
+    assert model.placement_report().as_dict()["steps"] == 2
+
+
 class Boom(RuntimeError):
     pass
 
@@ -274,12 +291,16 @@ SCRIPT = textwrap.dedent("""
     if mode == "raise":  # an uncaught exception raised half-way through a forward
         model.module.h[1].register_forward_pre_hook(lambda m, a: 1 / 0)
         model(x, y)
+    if mode == "sigterm":  # kill, timeout, a scheduler's preemption: no exit handlers run
+        import signal, time
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
     # mode "exit": fall off the end with model, opt and loss alive
 """)
 
 
 def test_removed_at_interpreter_exit(tmp_path):
-    modes = {"exit": 0, "raise": 1}
+    modes = {"exit": 0, "raise": 1, "sigterm": -15}
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
     procs = {}
@@ -299,3 +320,46 @@ def test_removed_at_interpreter_exit(tmp_path):
         assert list(path.iterdir()) == [], f"{mode}: left {list(path.iterdir())}"
         if mode == "raise":
             assert "ZeroDivisionError" in err
+
+
+@pytest.mark.parametrize("budget_slots", [1.5, 4.25, 9.75, 0.5])
+def test_swap_files_never_exceed_the_nvme_budget(tmp_path, budget_slots):
+    """``nvme_budget`` caps the bytes on disk too: the files hold whole slots within it (and a
+    budget under one slot makes no file), yet training with blocks swapped out still works."""
+    model = make_model()
+    total = state_bytes(model)
+    slot = 8 << 10
+    budget = int(budget_slots * slot)
+    wrapped = hetero.wrap(model, device="cpu", device_budget=int(total * 0.6), host_budget=int(total * 0.9),
+                          nvme_path=str(tmp_path), nvme_budget=budget, chunk_size="8KiB")
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    d = the_swap_dir(tmp_path)
+    files = sorted(d.iterdir())
+    assert sum(f.stat().st_size for f in files) <= budget
+    assert sum(f.stat().st_size for f in files) == int(budget_slots) * slot
+    train(wrapped, opt)
+    assert wrapped.placement_report().as_dict()["tiers"]["nvme"]["peak"] <= budget
+    wrapped.close()
+
+
+def test_a_wrap_the_disk_cannot_hold_gives_its_space_back(tmp_path):
+    """Swap files are reserved at wrap; where the disk runs out at the second file, the first is
+    closed and removed too (its space free at once, not when the process ends), so a retry
+    with a budget that fits works."""
+    import shutil
+
+    from test_engine import small_filesystem
+
+    with small_filesystem(tmp_path / "fs", "1m") as fs:
+        model = make_model()
+        total = state_bytes(model)
+        kwargs = dict(device="cpu", device_budget=int(total * 0.5), host_budget=int(total * 0.6),
+                      nvme_path=str(fs / "swap"), chunk_size="8KiB")
+        with pytest.raises(hetero.HeteroIOError):
+            hetero.wrap(model, nvme_budget=3 << 20, **kwargs)
+        assert shutil.disk_usage(fs).used < 64 << 10
+        assert swap_dirs(fs / "swap") == []
+        wrapped = hetero.wrap(model, nvme_budget=600 << 10, **kwargs)
+        opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        train(wrapped, opt)
+        wrapped.close()

@@ -336,3 +336,23 @@ def test_adam_takes_torch_newer_arguments() -> None:
         assert torch.equal(results[0][k], results[1][k])
     with pytest.raises(hetero.HeteroConfigError, match="betas"):
         hetero.optim.AdamW(hetero.wrap(make(), device="cpu").parameters(), betas=None)
+
+
+def test_state_dict_inside_summon_full_params(tight: dict) -> None:
+    """``state_dict()`` (or a nested summon) inside ``summon_full_params()`` reads the summoned
+    values and leaves the outer context's parameters in place: writes made after it are
+    written back by the outer context."""
+    _, _, eager, wrapped = train_pair(make, tight, batches(2))
+    want = eager.state_dict()
+    with wrapped.summon_full_params():
+        inner = wrapped.state_dict()
+        with wrapped.summon_full_params(writeback=False):
+            pass
+        for k, v in want.items():
+            assert torch.equal(inner[k], v)
+        assert all(bool(torch.isfinite(p).all()) for p in wrapped.parameters())
+        with torch.no_grad():
+            for p in wrapped.parameters():
+                p.fill_(0.125)
+    assert all(bool((v == 0.125).all()) for k, v in wrapped.state_dict().items() if k in dict(wrapped.named_parameters()))
+    wrapped.close()

@@ -25,16 +25,19 @@ import functools
 import itertools
 import logging
 import os
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
-from ..config import format_size
+from ..config import exact_size, format_size, raise_budget_advice
 from ..errors import HeteroConfigError, HeteroOOMError
 from ..tiers import DEVICE, HOST, NVME
 from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
 from .queue import AdamQueue
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..wrap import HeteroState
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +144,11 @@ class Adam(torch.optim.Optimizer):
                 for n, t in rt.tiers.items()}
         if need > sum(held.values()):
             raise HeteroOOMError(
-                f"parameters, gradients and optimizer states need {format_size(need)} (in host and "
+                f"parameters, gradients and optimizer states need {exact_size(need)} (in host and "
                 f"NVMe {format_size(rt.slot_size)} slots, with room to swap the largest block) but "
-                f"the tiers hold {format_size(sum(held.values()))} "
-                f"({', '.join(f'{n} {format_size(b)}' for n, b in held.items())}); "
-                "raise a budget or set nvme_path")
+                f"the tiers hold {exact_size(sum(held.values()))} "
+                f"({', '.join(f'{n} {exact_size(b)}' for n, b in held.items())}); "
+                f"{raise_budget_advice(NVME in rt.tiers)}")
 
     # ------------------------------------------------------------------ stepping
 
@@ -222,6 +225,15 @@ class Adam(torch.optim.Optimizer):
         st = self._state
         if st is None:
             return loss
+        t0 = st.runtime.tracker.now()
+        try:
+            self._update(st)
+        finally:
+            st.runtime.tracker.compute("optimizer", "step", t0)
+        return loss
+
+    def _update(self, st: "HeteroState") -> None:
+        """The step proper (see :meth:`step`), timed there for the profiler's trace."""
         for i, group in enumerate(self.param_groups):
             _check_supported(group, f"param_groups[{i}]: ")
         self._check_frozen()
@@ -238,7 +250,7 @@ class Adam(torch.optim.Optimizer):
                 self._step_chunk(update, shadow=False, defer=defer, then=then)
             st.end_step()
             self._settle(updated)
-            return loss
+            return
         if defer:
             for update in work:
                 self._create_states(update.chunk)
@@ -254,7 +266,7 @@ class Adam(torch.optim.Optimizer):
                             functools.partial(self._needs, update.chunk))
             st.end_step()
             self._settle(updated)  # (a postponed update runs on the tier its states are on then)
-            return loss
+            return
         steps = [(u.chunk, s, s.step) for u in work for s in u.chunk.slots]
         txn = None
         try:
@@ -301,7 +313,6 @@ class Adam(torch.optim.Optimizer):
         self._update_in_place(work, defer=False)
         st.end_step()
         self._settle(updated)
-        return loss
 
     def _update_in_place(self, work: list["_Update"], defer: bool = True) -> None:
         """Run the updates of chunks whose blocks are all where they are updated: nothing moves,
@@ -465,7 +476,9 @@ class Adam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``Optimizer.load_state_dict``: every key of the saved groups (a scheduler's
         ``initial_lr`` too), and per parameter its step count and moments; a parameter the
-        saved state has none for starts afresh (step 0, zero moments), as in torch."""
+        saved state has none for starts afresh (step 0, zero moments), as in torch. All or
+        nothing: a failed swap transfer raises with every state, step count and group as
+        they were (:meth:`Runtime.write_all`)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
@@ -473,37 +486,46 @@ class Adam(torch.optim.Optimizer):
                                     "optimizer's; expected a state dict of an optimizer over the same parameters")
         for i, saved in enumerate(saved_groups):
             _check_supported(saved, f"state_dict's param_groups[{i}]: ")
-        if self._state is not None:
-            self._state.runtime.catch_up()  # else they would run on top of the loaded state
+        saved_state = state_dict["state"]
+        rt = self._state.runtime if self._state is not None else None
+        if rt is not None:
+            rt.catch_up()  # else they would run on top of the loaded state
+        steps: dict[int, int] = {}  # id(slot) -> its step count as loaded
+        by_chunk: dict[int, list[tuple[ParamSlot, Optional[dict]]]] = {}
+        chunks = {}
+        for i, chunk, slot in self._slots_in_order() if rt is not None else ():
+            entry = saved_state.get(i)
+            if entry is None:
+                steps[id(slot)] = 0
+                if not slot.step or not _has_states(chunk):
+                    continue  # (its moments are zero, or not made yet)
+            else:
+                steps[id(slot)] = int(entry["step"].item() if isinstance(entry["step"], torch.Tensor)
+                                      else entry["step"])
+            by_chunk.setdefault(chunk.index, []).append((slot, entry))
+            chunks[chunk.index] = chunk
+        if rt is not None:
+
+            def values() -> Iterator[tuple[Block, torch.Tensor]]:
+                for index, items in by_chunk.items():
+                    chunk = chunks[index]
+                    for kind in (EXP_AVG, EXP_AVG_SQ):
+                        block = chunk.add_block(kind, chunk.state_dtype)
+                        flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=block.dtype)
+                        for slot, entry in items:
+                            if entry is None:
+                                slot.slice(flat).zero_()
+                            else:
+                                slot.slice(flat).copy_(entry[kind])
+                        yield block, flat
+
+            rt.write_all(values())  # all or nothing, as is what follows (no I/O)
+            for _, chunk, slot in self._slots_in_order():
+                slot.step = steps[id(slot)]
         for saved, group in zip(saved_groups, self.param_groups):
             for k, v in saved.items():
                 if k != "params":
                     group[k] = tuple(v) if k == "betas" else v
-        saved_state = state_dict["state"]
-        by_chunk: dict[int, list[tuple[ParamSlot, Optional[dict]]]] = {}
-        chunks = {}
-        for i, chunk, slot in self._slots_in_order():
-            entry = saved_state.get(i)
-            if entry is None:
-                stepped, slot.step = slot.step, 0
-                if not stepped or not _has_states(chunk):
-                    continue  # (its moments are zero, or not made yet)
-            else:
-                slot.step = int(entry["step"].item() if isinstance(entry["step"], torch.Tensor) else entry["step"])
-            by_chunk.setdefault(chunk.index, []).append((slot, entry))
-            chunks[chunk.index] = chunk
-        rt = self._state.runtime
-        for index, items in by_chunk.items():
-            chunk = chunks[index]
-            for kind in (EXP_AVG, EXP_AVG_SQ):
-                block = chunk.add_block(kind, chunk.state_dtype)
-                flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=block.dtype)
-                for slot, entry in items:
-                    if entry is None:
-                        slot.slice(flat).zero_()
-                    else:
-                        slot.slice(flat).copy_(entry[kind])
-                rt.write(block, flat)
 
 
 class AdamW(Adam):

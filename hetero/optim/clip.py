@@ -16,7 +16,8 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
                     norm_type: float = 2.0) -> torch.Tensor:
     """As ``torch.nn.utils.clip_grad_norm_``: per-parameter norms, the norm of those (in parameter
     order, so the result rounds as torch's does), then every gradient scaled by
-    ``min(1, max_norm / (total + 1e-6))``. Parameters without a gradient are skipped."""
+    ``min(1, max_norm / (total + 1e-6))`` (lazily: see the end). Parameters without a gradient are
+    skipped."""
     norm_type = float(norm_type)
     rt = state.runtime
     per_param: dict[int, torch.Tensor] = {}
@@ -42,19 +43,10 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
         return torch.tensor(0.0, device=state.cfg.device)
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # Not applied here: each chunk's gradient is scaled where it is next read (the optimizer's
+    # kernel, an accumulation into it, the next clip), one fp32 multiply as torch's in-place
+    # scaling makes. So clipping writes nothing: a failed read above leaves every gradient as it
+    # was, and no grad block moves twice.
     for chunk in chunks:
-        block = chunk.blocks[GRAD]
-        if block.dtype in (torch.float16, torch.bfloat16):  # scaled in fp32 by the optimizer step
-            chunk.grad_scale = coef if chunk.grad_scale is None else chunk.grad_scale * coef
-            continue
-        tier = rt.working_tier(block)
-        rt.acquire([block], tier, write=True)
-        try:
-            flat = rt.data(block, tier)
-            with torch.no_grad():
-                for s in chunk.slots:
-                    if s.has_grad:
-                        s.slice(flat).mul_(coef.to(flat.device))
-        finally:
-            rt.release([block], tier)
+        chunk.grad_scale = coef if chunk.grad_scale is None else chunk.grad_scale * coef
     return total

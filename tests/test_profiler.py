@@ -1,0 +1,122 @@
+"""The profiler's outputs: the report's schema, the Chrome/Perfetto trace (compute units, stalls,
+moves, tier counters), the PNG plot (usage, moves, stalls) and ``hetero profile``, which writes
+all of them for a bundled model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hetero
+from hetero import cli
+from models import GPT, batches, state_bytes
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> hetero.Report:
+    """Three steps of a GPT with activation checkpointing whose budgets force NVMe swapping, with
+    a slowed copy engine so that compute waits (stalls) for some blocks."""
+    torch.manual_seed(0)
+    model = GPT(checkpointing=True)
+    total = state_bytes(model)
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB", device_budget=int(total * 0.2),
+                          host_budget=int(total * 0.3), nvme_path=str(tmp_path_factory.mktemp("swap")))
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    for x, y in batches(STEPS):
+        wrapped(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    rep = wrapped.placement_report()
+    wrapped.close()
+    assert rep.stalls and rep.moves, "the budgets should make compute wait for some blocks"
+    return rep
+
+
+def test_as_dict_follows_the_schema(report) -> None:
+    d = report.as_dict()
+    json.dumps(d)
+    assert isinstance(d["policy"], str) and d["steps"] == STEPS
+    assert isinstance(d["stall_seconds"], float)
+    assert set(d["tiers"]) == {"device", "host", "nvme"}
+    for t in d["tiers"].values():
+        assert all(isinstance(t[k], int) for k in ("capacity", "used", "peak"))
+    assert set(d["traffic"]) == {"host->device", "device->host", "nvme->host", "host->nvme"}
+    kinds = {"param", "grad", "master", "exp_avg", "exp_avg_sq"}
+    for b in d["blocks"]:
+        assert isinstance(b["id"], str) and b["kind"] in kinds and isinstance(b["bytes"], int)
+        assert isinstance(b["tier"], str) and isinstance(b["hotness"], float)
+
+
+def test_stall_seconds_is_a_float_before_any_stall() -> None:
+    wrapped = hetero.wrap(torch.nn.Linear(4, 4), device="cpu")
+    d = wrapped.placement_report().as_dict()
+    assert d["stall_seconds"] == 0.0 and isinstance(d["stall_seconds"], float)
+
+
+def test_the_trace_has_compute_units_stalls_moves_and_tier_counters(report, tmp_path) -> None:
+    path = tmp_path / "trace.json"
+    report.to_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    assert isinstance(events, list)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["ts"] >= 0 and e["dur"] > 0 for e in spans)
+    by_cat = {c: [e for e in spans if e["cat"] == c] for c in ("compute", "stall", "move")}
+    assert len(by_cat["stall"]) == len(report.stalls) > 0
+    assert len(by_cat["move"]) == len(report.moves) > 0
+    assert {e["args"]["direction"] for e in by_cat["move"]} >= {"host->device", "nvme->host", "host->nvme"}
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert counters == {"device bytes", "host bytes", "nvme bytes"}
+
+    compute = by_cat["compute"]
+    phases: dict[str, list[dict]] = {}
+    for e in compute:
+        phases.setdefault(e["args"]["phase"], []).append(e)
+    units = {e["args"]["unit"] for e in phases["forward"]}
+    assert {"h.0", "h.1"} <= units and "" in units  # the blocks and the root
+    for phase in ("forward", "backward"):  # each unit, once per step
+        assert sorted(e["args"]["unit"] for e in phases[phase]) == sorted(list(units) * STEPS)
+    blocks = [u for u in units if u.startswith("h.")]  # checkpointing re-runs each block's forward
+    assert sorted(e["args"]["unit"] for e in phases["recompute"]) == sorted(blocks * STEPS)
+    assert [e["args"]["unit"] for e in phases["step"]] == ["optimizer"] * STEPS
+    roots = [e for e in phases["forward"] if e["args"]["unit"] == ""]
+    for e in phases["forward"]:  # nested as the units are: inside its step's root forward
+        assert any(r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"] + 1e-3 for r in roots)
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"compute", "stalls", "host->device"} <= names
+
+
+def test_the_plot_is_a_png_with_the_stalls_marked(report, tmp_path) -> None:
+    import matplotlib.image
+
+    path = tmp_path / "placement.png"
+    report.plot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(str(path))
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    red = np.array([0.839, 0.153, 0.157])  # tab:red, the stalls' colour
+    assert (np.abs(img[..., :3] - red).max(axis=-1) < 0.05).sum() > 50
+
+
+def test_hetero_profile_writes_report_trace_plot_and_access_log(tmp_path, capsys) -> None:
+    out = tmp_path / "prof"
+    rc = cli.main(["profile", "--model", "tiny", "--steps", "2", "--batch-size", "2", "--chunk-size", "64KiB",
+                   "--nvme-path", str(tmp_path / "swap"), "--out", str(out), "--no-progress"])
+    assert rc == 0
+    files = {p.name for p in out.iterdir()}
+    assert files == {"report.json", "trace.json", "placement.png", "access_log.jsonl"}
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["steps"] == 2 and "nvme" in rep["tiers"] and rep["traffic"]["host->nvme"] > 0
+    trace = json.loads((out / "trace.json").read_text())
+    assert any(e.get("cat") == "compute" for e in trace["traceEvents"])
+    assert (out / "placement.png").read_bytes()[:4] == b"\x89PNG"
+    lines = [json.loads(line) for line in (out / "access_log.jsonl").read_text().splitlines()]
+    assert [a["seq"] for a in lines] == list(range(len(lines))) and lines
+    assert set(lines[0]) >= {"step", "seq", "block", "bytes", "tier"}
+    assert "wrote" in capsys.readouterr().out
+    assert not list(Path(tmp_path / "swap").glob("hetero-swap-*"))  # the run's swap is gone
