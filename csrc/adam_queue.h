@@ -8,17 +8,12 @@
 //
 // Contract:
 //  - submit(calls) queues one job: adam_step calls prepared by prepare_adam_step (cpu_adam.h), so
-//    their arguments were checked at submit. The queue's thread starts jobs one at a time, in the
-//    order submitted. A prepared call holds raw pointers: the caller keeps its tensors alive, and
-//    leaves them alone, until the job is done (hetero.optim.queue.AdamQueue does; the runtime's
-//    compute ops keep everything else off them). So jobs are independent: a job that needs
-//    another's result is submitted after that one is done.
+//    their arguments were checked at submit. Jobs run one at a time, in order, on the queue's
+//    thread. A prepared call holds raw pointers: the caller keeps its tensors alive, and leaves
+//    them alone, until the job is done (hetero.optim.queue.AdamQueue does; the runtime's compute
+//    ops keep everything else off them).
 //  - AdamJob::done() never blocks. wait() blocks until the job ran (call it without the GIL) and
 //    throws what the job threw, at every wait. A job after a failed one still runs.
-//  - AdamJob::run_or_wait() runs the job in the calling thread if no thread has started it yet
-//    (the queue's thread then skips it), else waits; then as wait(). Why: the caller needs it
-//    now (the forward needs the chunk), and the queue's thread may be busy with earlier jobs or
-//    asleep; waiting would add those jobs, or the thread's wake-up, to the caller's wait.
 //  - shutdown() lets the queued jobs run, then joins the thread; submit() after it throws
 //    std::runtime_error. The destructor shuts down. In a child forked from the process that made
 //    the queue the thread does not exist, and its lock and condition variable may show a holder
@@ -54,7 +49,6 @@ class AdamJob {
   explicit AdamJob(std::shared_ptr<AdamJobState> s) : s_(std::move(s)) {}
   bool done() const;
   void wait() const;
-  void run_or_wait() const;
 
  private:
   std::shared_ptr<AdamJobState> s_;
@@ -70,24 +64,23 @@ class AdamQueue {
   AdamJob submit(std::vector<AdamCall> calls);
   void shutdown();
   void set_test_hook(double delay_s, int64_t fail_call);
-  int64_t calls() const;
+  int64_t calls() const { return calls_.load(); }
 
-  // What the queue's thread and the jobs (which may run in another thread) share.
+ private:
+  void loop();
+  void run_call(const AdamCall& call);
+
   struct Shared {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<std::shared_ptr<AdamJobState>> queue;  // guarded by mu
     bool stopping = false;                            // guarded by mu
-    std::atomic<int64_t> calls{0};
-    std::atomic<int64_t> delay_us{0};
-    std::atomic<int64_t> fail_at{0};  // calls value whose call fails (0: none)
   };
-
- private:
-  void loop();
-
-  std::shared_ptr<Shared> sh_;  // leaked in a forked child (see fork above)
-  pid_t owner_;                 // the process whose thread this is (see fork above)
+  std::unique_ptr<Shared> sh_;  // leaked in a forked child (see fork above)
+  std::atomic<int64_t> calls_{0};
+  std::atomic<int64_t> delay_us_{0};
+  std::atomic<int64_t> fail_at_{0};  // calls_ value whose call fails (0: none)
+  pid_t owner_;                      // the process whose thread this is (see fork above)
   std::unique_ptr<std::thread> thread_;
 };
 

@@ -131,9 +131,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<hetero::AdamJob>(m, "AdamJob", "One queued job of an AdamQueue.")
       .def("wait", &hetero::AdamJob::wait, py::call_guard<py::gil_scoped_release>(),
            "Block (GIL released) until the job ran; raises what it raised, at every wait.")
-      .def("run_or_wait", &hetero::AdamJob::run_or_wait, py::call_guard<py::gil_scoped_release>(),
-           "Run the job in this thread (GIL released) if no thread has started it, else wait; "
-           "then as wait().")
       .def("done", &hetero::AdamJob::done, "Whether the job ran (or failed); never blocks.");
   py::class_<hetero::AdamQueue>(m, "AdamQueue",
                                 "Runs adam_step calls on a thread of its own (no GIL), in order.")

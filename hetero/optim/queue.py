@@ -1,6 +1,6 @@
 """The optimizer's queue of deferred host updates: :func:`~hetero.optim.kernel.adam_step_` calls
 run later, in the order submitted, on a thread of its own that never takes the GIL
-(``csrc/adam_queue.h``), or by whoever waits for one first.
+(``csrc/adam_queue.h``).
 
 Why not a Python thread: the optimizer defers a host chunk's update so that ``step()`` returns at
 once and the next forward waits only for the chunks it uses (:meth:`hetero.runtime.Runtime.defer`).
@@ -27,8 +27,7 @@ Call = tuple[tuple[torch.Tensor, ...], dict[str, Any]]  # (args, kwargs) of adam
 
 class AdamQueue:
     """Runs :func:`~hetero.optim.kernel.adam_step_` calls later, in the order submitted, on the
-    C++ queue's thread (started on first use), except a job someone waits for before that thread
-    started it: the waiting thread runs it (:class:`_Queued`). A job some call of which the C++ kernel cannot
+    C++ queue's thread (started on first use). A job some call of which the C++ kernel cannot
     run (no extension; a parameter that is not fp32) runs at once in the caller's thread
     instead: same results, no overlap."""
 
@@ -40,9 +39,7 @@ class AdamQueue:
         """Queue ``calls`` as one job and return its handle. Their arguments are checked now
         (errors raise here, as do those of a job run at once); the default ``threads`` is this
         thread's torch thread count, not the queue thread's. The handle keeps the tensors alive
-        until the job ran. A job waited for before the queue's thread started it runs in the
-        waiting thread, perhaps beside earlier jobs: jobs queued together must not touch the
-        same tensors (the runtime never defers work on a block with work still pending)."""
+        until the job ran."""
         if not all(_kernel_applies(list(args), args[1], kw.get("param_out")) for args, kw in calls):
             with torch.no_grad():
                 for args, kw in calls:
@@ -84,11 +81,8 @@ if hasattr(os, "register_at_fork"):
 
 class _Queued:
     """A queued job and the tensors its calls point into, kept alive until it ran: a handle
-    dropped early waits for it (it never needs the GIL, so that cannot deadlock). Waiting for a
-    job the queue's thread has not started runs it in the waiting thread instead: whoever waits
-    needs it now, and the queue may be busy with earlier jobs (the forward needs this chunk, not
-    the ones queued before it) or asleep. In a child forked while it was queued the job never
-    runs: waiting there raises."""
+    dropped early waits for it (it never needs the GIL, so that cannot deadlock). In a child
+    forked while it was queued the job never runs: waiting there raises."""
 
     __slots__ = ("_job", "_calls", "_pid")
 
@@ -101,7 +95,7 @@ class _Queued:
     def wait(self) -> None:
         if os.getpid() != self._pid and not self._job.done():
             raise RuntimeError("an optimizer update queued before fork() never runs in the child")
-        self._job.run_or_wait()
+        self._job.wait()
 
     def __del__(self) -> None:
         try:
