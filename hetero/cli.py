@@ -147,6 +147,9 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
     """
     import hetero
 
+    for name, value in (("steps", steps), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise HeteroConfigError(f"{name}={value!r} is not accepted; expected a whole number >= 1")
     cfg = models.get_config(model_name)
     dev = resolve_device(device)
     torch.manual_seed(seed)

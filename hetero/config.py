@@ -24,8 +24,8 @@ SizeLike = Union[int, str, None]
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -195,7 +195,7 @@ def _parse_mixed_precision(mp: Any) -> Optional[MixedPrecision]:
 def _check_nvme_path(nvme_path: Any) -> Optional[str]:
     if nvme_path is None:
         return None
-    if not isinstance(nvme_path, (str, os.PathLike)):
+    if not isinstance(nvme_path, (str, os.PathLike)) or not os.fspath(nvme_path):
         raise HeteroConfigError(f"nvme_path={nvme_path!r} is not a path; expected a directory path "
                                 "(created if missing) or None to disable the NVMe tier")
     path = os.path.abspath(os.fspath(nvme_path))

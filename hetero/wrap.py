@@ -277,6 +277,8 @@ class HeteroModule(nn.Module):
         super().__init__()
         self.module = module
         self._hetero_state = state
+        self._loading_under: Optional[str] = None  # see _load_from_state_dict
+        self.register_load_state_dict_post_hook(HeteroModule._forget_inner_keys)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -315,6 +317,37 @@ class HeteroModule(nn.Module):
                                     "expected assign=False (values are copied into the chunks)")
         with self._hetero_state.full_params(writeback=True):
             return self.module.load_state_dict(state_dict, strict=strict)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict,
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """A parent module's ``load_state_dict`` (this module nested in another): its keys,
+        ``prefix`` + the wrapped module's own keys as :meth:`state_dict` saves them (or with the
+        ``module.`` level in between), load through :meth:`load_state_dict`, into the chunks.
+        They are taken out of ``state_dict`` so that torch's recursion does not copy them a
+        second time into the parameters' at-rest tensors; the keys it then reports missing there
+        are dropped again by :meth:`_forget_inner_keys`."""
+        names = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        names |= {n for n, _ in self.module.named_buffers(remove_duplicate=False)}
+        mine: dict[str, Any] = {}
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            name = key[len(prefix):]
+            if name.startswith("module.") and name not in names and name[len("module."):] in names:
+                name = name[len("module."):]
+            mine[name] = state_dict.pop(key)
+        result = self.load_state_dict(mine, strict=False)
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        self._loading_under = prefix
+
+    @staticmethod
+    def _forget_inner_keys(module: "HeteroModule", incompatible: Any) -> None:
+        """Drop the keys torch's recursion reported missing under ``prefix.module.`` (see
+        :meth:`_load_from_state_dict`: they were loaded under ``prefix.``)."""
+        if module._loading_under is None:
+            return
+        inner, module._loading_under = module._loading_under + "module.", None
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(inner)]
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:

@@ -131,8 +131,9 @@ def test_nvme_path_under_a_file(tmp_path):
     expect_config_error("nvme_path", str(f / "swap"), tmp_path, nvme_path=str(f / "swap"))
 
 
-def test_nvme_path_bad_type(tmp_path):
-    expect_config_error("nvme_path", 42, tmp_path, nvme_path=42)
+@pytest.mark.parametrize("value", [42, ""])
+def test_nvme_path_bad_type(tmp_path, value):
+    expect_config_error("nvme_path", value, tmp_path, nvme_path=value)  # ("": not the cwd in silence)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only directory")
@@ -223,7 +224,8 @@ def test_errors_are_value_and_memory_errors():
 @pytest.mark.parametrize("text,nbytes", [
     ("512MiB", 512 * 1024**2), ("8GB", 8 * 1000**3), ("1.5GiB", 3 * 1024**3 // 2), (4096, 4096),
     ("1k", 1000), ("1KiB", 1024), ("2 MiB", 2 * 1024**2), ("64mib", 64 * 1024**2), ("10", 10),
-    ("3MB", 3 * 1000**2), ("1TiB", 1024**4), (" 7 KB ", 7000), ("0.5KiB", 512),
+    ("3MB", 3 * 1000**2), ("1TiB", 1024**4), (" 7 KB ", 7000), ("0.5KiB", 512), ("1PB", 1000**5),
+    ("2PiB", 2 * 1024**5),
 ])
 def test_parse_size(text, nbytes):
     assert parse_size(text, "x") == nbytes

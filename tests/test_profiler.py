@@ -120,3 +120,11 @@ def test_hetero_profile_writes_report_trace_plot_and_access_log(tmp_path, capsys
     assert set(lines[0]) >= {"step", "seq", "block", "bytes", "tier"}
     assert "wrote" in capsys.readouterr().out
     assert not list(Path(tmp_path / "swap").glob("hetero-swap-*"))  # the run's swap is gone
+
+
+@pytest.mark.parametrize("argv", [["train", "--steps", "0"], ["profile", "--batch-size", "-1"],
+                                  ["train", "--steps", "-3"]])
+def test_the_cli_refuses_counts_below_one(argv, capsys) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "HeteroConfigError" in err and "expected a whole number >= 1" in err

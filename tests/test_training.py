@@ -356,3 +356,29 @@ def test_state_dict_inside_summon_full_params(tight: dict) -> None:
                 p.fill_(0.125)
     assert all(bool((v == 0.125).all()) for k, v in wrapped.state_dict().items() if k in dict(wrapped.named_parameters()))
     wrapped.close()
+
+
+def test_a_wrapped_module_inside_a_parent_round_trips_its_state_dict(tight: dict) -> None:
+    """A HeteroModule nested in another module (as FSDP units are): the parent's state_dict
+    holds its keys under the child's name, and the parent's load_state_dict loads them into
+    the chunks, with or without the ``module.`` level, and reports what is really missing."""
+    _, _, eager, wrapped = train_pair(make, tight, batches(2))
+    parent = torch.nn.ModuleDict({"net": wrapped})
+    sd = parent.state_dict()
+    assert set(sd) == {"net." + k for k in eager.state_dict()}
+    other = GPT()
+    for keys in ("plain", "module"):
+        src = {("net." if keys == "plain" else "net.module.") + k: v for k, v in other.state_dict().items()}
+        parent.load_state_dict(src)
+        assert_same_model(other, wrapped)
+        parent.load_state_dict(sd)
+        assert_same_model(eager, wrapped)
+    missing = dict(sd)
+    gone = next(iter(missing))
+    del missing[gone]
+    with pytest.raises(RuntimeError, match="Missing key") as info:
+        parent.load_state_dict(missing)
+    assert gone in str(info.value) and "net.module." not in str(info.value)
+    result = parent.load_state_dict(dict(missing, extra=torch.zeros(1)), strict=False)
+    assert result.missing_keys == [gone] and result.unexpected_keys == ["extra"]
+    wrapped.close()
