@@ -616,6 +616,8 @@ def wrap(
     policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run
     runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
     original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
+    on_meta = [s.param for c in chunks for s in c.slots if s.param.is_meta]
+    buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
     try:
         _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device,
                      mp.buffer_dtype if mp else None)
@@ -625,6 +627,12 @@ def wrap(
             for s in c.slots:
                 if id(s.param) in original:
                     s.param.data = original[id(s.param)]
+        for p in on_meta:  # (materialized before the failure: on the meta device again)
+            if not p.is_meta:
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"),
+                                                         requires_grad=p.requires_grad))
+        for m, name, b in buffers:
+            m._buffers[name] = b
         raise
     state = HeteroState(cfg, module, units, chunks, runtime, policy_start)
     ref = weakref.ref(state)
