@@ -191,7 +191,7 @@ class Runtime:
         the policy's choice. A block homed on NVMe is made on the host and written there, or,
         zero-filled, only takes its NVMe slots (nothing is written, and its first fetch fills
         the host copy instead of reading); it stays on the host if NVMe has no room for it."""
-        self._check_open()
+        self.check_open()
         assert not block.tiers, f"{block} already exists"
         self._blocks[block.id] = block
         self._sizes[block.id] = block.nbytes
@@ -262,7 +262,7 @@ class Runtime:
         :meth:`transaction`), because the caller is about to change the data. Raises
         HeteroOOMError when the tier cannot hold them, HeteroIOError when a transfer failed.
         """
-        self._check_open()
+        self.check_open()
         self._pump()
         if self._postponed:
             self.catch_up({b.chunk_id for b in blocks})
@@ -346,24 +346,61 @@ class Runtime:
         finally:
             self.release([block], tier)
 
-    def write_all(self, values: Iterable[tuple[Block, torch.Tensor]]) -> None:
-        """Overwrite each block with its value (as :meth:`write`), all or nothing: inside a
-        :meth:`transaction`, each block's previous version is kept until every write, and every
-        transfer the writes caused, has landed; a failure rolls them all back and raises. (A
-        previous version with no room left to keep it is given up, logged: see
-        :meth:`ensure_shadow`.) ``values`` may be a generator, read inside the transaction, so
-        that only one value need exist at a time. Without an NVMe tier no write can fail
-        half-way (only swap I/O fails), and none keeps a previous version."""
+    def write_all(self, groups: Iterable[Sequence[tuple[Block, torch.Tensor]]],
+                  kept: Optional[set[str]] = None) -> None:
+        """Overwrite blocks with new values, all or nothing: inside a :meth:`transaction`, each
+        block's previous version is kept until every write, and every transfer the writes
+        caused, has landed; a failure rolls them all back and raises. Each group (a chunk's
+        blocks: its two moments, its master and parameter) is written as one: its blocks are
+        acquired together, then all copied. Near capacity a previous version may find no room
+        and be given up (logged, :meth:`ensure_shadow`); a failure then leaves the chunks that
+        lost one as the writes made them or found them, each chunk consistent, and adds the ids
+        of those written to ``kept``. ``groups`` may be a generator, read inside the transaction,
+        so that only a group's values need exist at a time. Without an NVMe tier no write can
+        fail half-way (only swap I/O fails), and none keeps a previous version."""
         if NVME not in self.tiers:
-            for block, value in values:
-                self.write(block, value)
+            for group in groups:
+                self._write_group(group)
             return
-        with self.transaction():
-            for block, value in values:
-                if block.tiers:
-                    self.ensure_shadow(block, self.working_tier(block))
-                self.write(block, value)
-            self.drain()
+        written: set[str] = set()
+        txn = None
+        try:
+            with self.transaction() as txn:
+                for group in groups:
+                    for block, _ in group:
+                        if block.tiers:
+                            self.ensure_shadow(block, self.working_tier(block))
+                    self._write_group(group)
+                    written.update(b.chunk_id for b, _ in group)
+                self.drain()
+        except BaseException:
+            if kept is not None and txn is not None:
+                kept.update({b.chunk_id for b in txn.lost} & written)
+            raise
+
+    def _write_group(self, group: Sequence[tuple[Block, torch.Tensor]]) -> None:
+        """Write each value into its block (as :meth:`write`): a new block is created with it;
+        the others are acquired together, then copied into, so that a failed fetch among them
+        leaves every block of the group as it was."""
+        by_tier: dict[str, list[tuple[Block, torch.Tensor]]] = {}
+        for block, value in group:
+            if not block.tiers:
+                self.create(block, value)
+            else:
+                by_tier.setdefault(self.working_tier(block), []).append((block, value))
+        pinned: list[tuple[list[Block], str]] = []
+        try:
+            for tier, items in by_tier.items():
+                blocks = [b for b, _ in items]
+                self.acquire(blocks, tier, write=True, record=False)
+                pinned.append((blocks, tier))
+            with torch.no_grad():
+                for tier, items in by_tier.items():
+                    for block, value in items:
+                        self.data(block, tier).copy_(value.reshape(-1))
+        finally:
+            for blocks, tier in pinned:
+                self.release(blocks, tier)
 
     def discard(self, block: Block) -> None:
         """Drop every copy of ``block``: its contents are dead (gradients after zero_grad). The
@@ -402,7 +439,7 @@ class Runtime:
             assert op.pending, f"runtime bug: {op} left in flight"
             self._wait_for([op], stall)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise HeteroStateError("this model was closed (HeteroModule.close()): its state can no "
                                    "longer be read, moved or trained; expected no use of the model "
@@ -465,7 +502,7 @@ class Runtime:
         again at the next touch (a failure rolls forward, not back), keeping its place ``at``
         in the order. :meth:`close` drops what is still postponed. Recorded in the event log,
         as is each run (a replay runs nothing: the work's own acquires are in the log)."""
-        self._check_open()
+        self.check_open()
         assert chunk_id not in self._postponed, f"runtime bug: {chunk_id} postponed twice"
         self.tracker.event("postpone", chunk_id, first)
         entry = (run, needs, next(self._postpone_seq) if at is None else at)

@@ -65,7 +65,10 @@ class SimStorage:
                  nvme_files: Optional[Sequence[int]] = None) -> None:
         slots = capacities[HOST] // slot_size
         self.host = SlotPool(max(1, slots if host_slots is None else min(slots, host_slots)), slot_size)
-        files = nvme_files if nvme_files is not None else [max(1, capacities.get(NVME, 0) // slot_size)]
+        if nvme_files is None:  # one file of the budget's whole slots (none under one slot)
+            whole = capacities.get(NVME, 0) // slot_size
+            nvme_files = [whole] if whole else []
+        files = list(nvme_files)
         self.nvme = [SlotPool(n, slot_size) for n in files]  # one per swap file, searched in order
 
     def place(self, block: SimBlock, tier: str) -> bool:
@@ -166,7 +169,7 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     swap files (``Report.nvme_files``; None: one pool of the NVMe budget). ``policy`` is a name
     or an instance, used as given (state and all: pass a fresh one). With the run's own policy
     and budgets the result is the run's."""
-    files = list(nvme_files) if nvme_files else None
+    files = list(nvme_files) if nvme_files is not None else None
     rt = Runtime(dict(capacities), slot_size, make_policy(policy),
                  SimStorage(capacities, slot_size, host_slots, files), prefetch, host_slots, files)
     blocks: dict[str, SimBlock] = {}
@@ -319,6 +322,9 @@ def _device_ops(events: Iterable[Sequence[Any]], coresident: bool) -> list[tuple
     ops: list[tuple] = []
     fresh: set[str] = set()
     seen: set[str] = set()
+    # Device acquires that are not compute (record=False: state_dict, summon) pin nothing here;
+    # their releases must not unpin what compute pinned.
+    unrecorded: dict[str, int] = {}
     for op, *args in events:
         if op == "create":
             if coresident:
@@ -332,6 +338,9 @@ def _device_ops(events: Iterable[Sequence[Any]], coresident: bool) -> list[tuple
             ops.append(("kill", args[0]))
             if not coresident:
                 fresh.add(args[0])
+        elif op == "acquire" and args[1] == DEVICE and not args[3]:
+            for b in args[0]:
+                unrecorded[b] = unrecorded.get(b, 0) + 1
         elif op == "acquire" and args[1] == DEVICE and args[3]:
             if coresident:
                 ops.append(("pin", tuple(args[0])))
@@ -341,8 +350,15 @@ def _device_ops(events: Iterable[Sequence[Any]], coresident: bool) -> list[tuple
                 seen.add(b)
         elif op == "acquire" and args[1] != DEVICE and args[2]:  # written off the device
             ops += [("kill", b) for b in args[0]]
-        elif op == "release" and args[1] == DEVICE and coresident:
-            ops.append(("unpin", tuple(args[0])))
+        elif op == "release" and args[1] == DEVICE:
+            compute = []
+            for b in args[0]:
+                if unrecorded.get(b):
+                    unrecorded[b] -= 1
+                else:
+                    compute.append(b)
+            if coresident and compute:
+                ops.append(("unpin", tuple(compute)))
         elif op == "end_step":
             ops.append(("step",))
     return ops

@@ -16,9 +16,8 @@ import atexit
 import logging
 import os
 import shutil
-import signal
+import socket
 import tempfile
-import threading
 import weakref
 from typing import Callable, Optional
 
@@ -451,54 +450,77 @@ class HostArena:
         return self.buffer[offset:offset + align_up(nbytes)]
 
 
+#: Inside each swap directory: who made it (host name and process id), so that a later run can
+#: tell a directory left by a process that was killed from one still in use.
+OWNER_FILE = "owner"
+
+
 def make_private_dir(parent: str) -> str:
-    """Create ``parent`` if needed and a fresh 0700 directory inside it for this module's swap."""
+    """Create ``parent`` if needed and a fresh 0700 directory inside it for this module's swap,
+    marked with its owner; first remove the directories dead processes of this host left there
+    (:func:`_remove_orphans`)."""
     try:
         os.makedirs(parent, exist_ok=True)
+        _remove_orphans(parent)
         path = tempfile.mkdtemp(prefix="hetero-swap-", dir=parent)
         os.chmod(path, 0o700)
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
     except OSError as exc:
         raise HeteroConfigError(f"nvme_path={parent!r} cannot hold swap files ({exc}); expected a "
                                 "writable directory on a local file system") from exc
     return path
 
 
-def _remove_dir(path: str) -> None:
-    _LIVE_DIRS.discard(path)
-    shutil.rmtree(path, ignore_errors=True)
+def _remove_orphans(parent: str) -> None:
+    """Remove the ``hetero-swap-*`` directories under ``parent`` whose owner was a process of
+    this host that no longer exists: a process killed by SIGKILL, or by SIGTERM (which by
+    default ends Python without its exit handlers), could not remove its own. Directories of
+    other hosts (a shared file system), of live processes and without an owner mark are left
+    alone."""
+    host = socket.gethostname()
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if not name.startswith("hetero-swap-") or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner_host, pid = f.read().split()
+            pid = int(pid)
+        except (OSError, ValueError):
+            continue
+        if owner_host != host or pid == os.getpid() or _alive(pid):
+            continue
+        log.info("hetero: removing %s, left by process %d, which no longer exists", path, pid)
+        shutil.rmtree(path, ignore_errors=True)
 
 
-_LIVE_DIRS: set[str] = set()  # swap directories not removed yet
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
-def _remove_on_sigterm() -> None:
-    """Remove swap directories when the process is terminated by SIGTERM (``kill``, ``timeout``,
-    a batch scheduler or container stop), which by default ends Python without running its exit
-    handlers. Installed only where SIGTERM has its default action and from the main thread (a
-    handler the program set is left alone); the handler removes the directories, then lets the
-    default action end the process as before (killed by SIGTERM). A SIGKILL still leaves them:
-    nothing runs then."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return  # the program's own handler (or ours, already)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    for path in list(_LIVE_DIRS):
-        _remove_dir(path)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+def _remove_dir(path: str, owner: int) -> None:
+    """Remove a swap directory, from the process that made it only: a child forked from it
+    that exits must not take its parent's swap away."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class SwapSpace:
     """Swap files for the NVMe tier: a few large files in a private directory.
 
     Files are created 0600 inside a 0700 directory made just for this module; the directory is
-    removed by :meth:`close`, when the object is garbage collected, at interpreter exit and when
-    SIGTERM ends the process (:func:`_remove_on_sigterm`), so swap never outlives the process
-    that wrote it (an exception in a training step included), unless it is killed by SIGKILL.
+    removed by :meth:`close`, when the object is garbage collected and at interpreter exit, so
+    swap never outlives the process that wrote it (an exception in a training step included).
+    A process killed by a signal cannot remove it: the next swap directory made under the same
+    parent removes those (:func:`_remove_orphans`).
     """
 
     MAX_FILES = 4
@@ -517,10 +539,8 @@ class SwapSpace:
                  num_threads: int = 4) -> None:
         self.dir = make_private_dir(parent)
         # Remove the directory even if close() is never reached (exceptions, interpreter exit).
-        self._finalizer = weakref.finalize(self, _remove_dir, self.dir)
+        self._finalizer = weakref.finalize(self, _remove_dir, self.dir, os.getpid())
         atexit.register(self._finalizer)
-        _LIVE_DIRS.add(self.dir)
-        _remove_on_sigterm()
         self.slots = self.layout(capacity, slot_size, largest_block)
         self.io = engine.SwapIO(num_threads=num_threads)
         self.files = []

@@ -61,6 +61,8 @@ class HeteroState:
         self.slot_of: dict[int, tuple[Chunk, ParamSlot]] = {
             id(s.param): (c, s) for c in chunks for s in c.slots}
         self.summoned = False
+        self._summoned_writeback = False  # (the outermost summon's)
+        self.buffer_dtypes: dict[str, torch.dtype] = {}  # as wrap found them (state_dict gives those)
         self.sync_grads = True
         self.policy_start = policy_start  # what a replay starts from (policies.starting_copy)
         # The grad block the backward is accumulating into, kept acquired on the device across
@@ -95,6 +97,7 @@ class HeteroState:
             call.forward_pinned = False
 
     def _end_recompute(self, call: Call) -> None:
+        call.forward_start = 0.0  # (its span ended with the unit's backward, or is unknown)
         self.post_forward(call)
         if call in call.unit.calls:
             call.unit.calls.remove(call)
@@ -112,6 +115,10 @@ class HeteroState:
 
     def post_backward(self, call: Call) -> None:
         self.release_grad_pin()
+        for rerun in call.unit.calls:  # a re-run non-reentrant checkpointing stopped early (no
+            if rerun.recompute and rerun.forward_start:  # post-forward): it ran inside this backward
+                self.runtime.tracker.compute(call.unit.name, "recompute", rerun.forward_start)
+                rerun.forward_start = 0.0
         if call.pinned:
             self.runtime.tracker.compute(call.unit.name, "backward", call.backward_start)
             self.runtime.release(call.unit.param_blocks)
@@ -158,6 +165,7 @@ class HeteroState:
     def zero_grad(self, params: Optional[set[int]], set_to_none: bool) -> None:
         """Clear the gradients of the parameters whose ids are in ``params`` (None: all), in
         their grad blocks (``param.grad`` stays None: the blocks hold the gradients)."""
+        self.runtime.check_open()
         self.drop_stale_pins()
         for chunk in self.chunks:
             if not chunk.requires_grad:
@@ -165,7 +173,8 @@ class HeteroState:
             slots = [s for s in chunk.slots if s.has_grad and (params is None or id(s.param) in params)]
             if not slots:
                 continue
-            chunk.grad_scale = None
+            if len(slots) == sum(s.has_grad for s in chunk.slots):
+                chunk.grad_scale = None  # (else the other gradients, another optimizer's, keep it)
             if set_to_none:
                 for s in slots:
                     s.has_grad = False
@@ -214,11 +223,16 @@ class HeteroState:
         ``summon_full_params()``), the inner call uses the outer one's copies as they are, and
         the outermost call alone writes back (or not)."""
         if self.summoned:
+            if writeback and not self._summoned_writeback:
+                raise HeteroStateError(
+                    "this would write parameters back inside summon_full_params(writeback=False), "
+                    "which discards every change when it ends; expected the write (a "
+                    "load_state_dict, a summon with writeback) outside it, or writeback=True there")
             yield
             return
         self.runtime.catch_up()  # postponed optimizer updates first: their moves detach params
         copies: list[tuple[Chunk, torch.Tensor]] = []
-        self.summoned = True
+        self.summoned, self._summoned_writeback = True, writeback
         try:
             for chunk in self.chunks:
                 flat = self.runtime.read(chunk.full_precision)
@@ -228,8 +242,8 @@ class HeteroState:
             yield
             if writeback:  # all or nothing: a failed transfer leaves every parameter as it was
                 self.runtime.write_all(
-                    [(chunk.blocks[MASTER], flat) for chunk, flat in copies if MASTER in chunk.blocks]
-                    + [(chunk.blocks[PARAM], flat.to(chunk.dtype)) for chunk, flat in copies])
+                    ([(chunk.blocks[MASTER], flat)] if MASTER in chunk.blocks else [])
+                    + [(chunk.blocks[PARAM], flat.to(chunk.dtype))] for chunk, flat in copies)
         finally:
             self.summoned = False
             for chunk, _ in copies:
@@ -307,9 +321,15 @@ class HeteroModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The full state dict: original keys, CPU tensors, parameters in full precision and
+        buffers in the dtypes they had before ``mixed_precision``'s ``buffer_dtype`` (as FSDP's
+        full state dict; their values were rounded to it, as there)."""
         with self._hetero_state.full_params(writeback=False):
             sd = self.module.state_dict(*args, **kwargs)
-            return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            dtypes = self._hetero_state.buffer_dtypes
+            return {k: v.detach().to("cpu", dtype=dtypes.get(k[len(prefix):], v.dtype), copy=True)
+                    for k, v in sd.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         if assign:
@@ -327,18 +347,20 @@ class HeteroModule(nn.Module):
         They are taken out of ``state_dict`` so that torch's recursion does not copy them a
         second time into the parameters' at-rest tensors; the keys it then reports missing there
         are dropped again by :meth:`_forget_inner_keys`."""
-        names = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
-        names |= {n for n, _ in self.module.named_buffers(remove_duplicate=False)}
+        names = set(self.module.state_dict(keep_vars=True))  # (reads no block)
         mine: dict[str, Any] = {}
         for key in [k for k in state_dict if k.startswith(prefix)]:
             name = key[len(prefix):]
             if name.startswith("module.") and name not in names and name[len("module."):] in names:
                 name = name[len("module."):]
             mine[name] = state_dict.pop(key)
+        self._loading_under = prefix
+        if not mine:  # nothing of this module's: no need to read and rewrite every chunk
+            missing_keys.extend(prefix + k for k in sorted(names))
+            return
         result = self.load_state_dict(mine, strict=False)
         missing_keys.extend(prefix + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
-        self._loading_under = prefix
 
     @staticmethod
     def _forget_inner_keys(module: "HeteroModule", incompatible: Any) -> None:
@@ -617,6 +639,7 @@ def wrap(
     runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
     original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
     on_meta = [s.param for c in chunks for s in c.slots if s.param.is_meta]
+    buffer_dtypes = {name: b.dtype for name, b in module.named_buffers()}  # (before buffer_dtype)
     buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
     try:
         _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device,
@@ -635,6 +658,7 @@ def wrap(
             m._buffers[name] = b
         raise
     state = HeteroState(cfg, module, units, chunks, runtime, policy_start)
+    state.buffer_dtypes = buffer_dtypes
     ref = weakref.ref(state)
     for unit in units:
         register_hooks(ref, unit)

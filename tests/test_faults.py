@@ -416,3 +416,39 @@ def test_a_fault_in_a_load_leaves_every_state_as_it_was(tmp_path, call, after) -
         want_state = {i: {k: v for k, v in s.items()} for i, s in osd["state"].items()}
     assert_same_state(snapshot(wrapped, opt), (want_sd, want_state))
     wrapped.close()
+
+
+@pytest.mark.parametrize("after", [3, 8, 15])
+def test_a_failed_optimizer_load_near_capacity_keeps_each_parameter_consistent(tmp_path, after) -> None:
+    """Near capacity the load cannot keep every previous version (given up, logged): a fault
+    then leaves the chunks that lost one with the loaded moments. Their step counts must be the
+    loaded ones too (a parameter never pairs new moments with its old step), and the same load
+    then completes."""
+    from test_budgets import near_capacity_config
+
+    make, kw = near_capacity_config(4, True, tmp_path / "swap")
+    model = hetero.wrap(make(), **kw)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    for b in batches(2, seed=4):
+        default_step(model, opt, b)
+    new = copy.deepcopy(opt.state_dict())
+    for st in new["state"].values():
+        st["exp_avg"].add_(1.0)
+        st["step"] = st["step"] + 5
+    _, old = snapshot(model, opt)
+    engine.inject_fault("eio", after=after)
+    try:
+        with pytest.raises(hetero.HeteroIOError):
+            opt.load_state_dict(new)
+    finally:
+        engine.inject_fault("none")
+    _, now = snapshot(model, opt)
+    for i, st in now.items():
+        loaded = torch.equal(st["exp_avg"], new["state"][i]["exp_avg"])
+        assert loaded or torch.equal(st["exp_avg"], old[i]["exp_avg"]), i
+        assert float(st["step"]) == float((new if loaded else {"state": old})["state"][i]["step"]), i
+    opt.load_state_dict(new)
+    _, now = snapshot(model, opt)
+    for i, st in now.items():
+        assert torch.equal(st["exp_avg"], new["state"][i]["exp_avg"]) and float(st["step"]) == float(new["state"][i]["step"])
+    model.close()

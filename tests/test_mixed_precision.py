@@ -123,3 +123,20 @@ def test_the_gpu_diagnostic_reports_differences_only_where_there_are(monkeypatch
     monkeypatch.setattr(mp_diag, "eager_master_recipe", lambda *a, **kw: real(*a, **kw | {"eps": 1e-3}))
     rows = mp_diag.compare(torch.bfloat16, "cpu", "base")
     assert len(rows) > 1 and any(r.strip().startswith("wte.weight") for r in rows[1:])
+
+
+def test_buffers_come_back_in_their_own_dtypes() -> None:
+    """``buffer_dtype`` casts buffers for compute; the full state dict gives them in the dtypes
+    they had (as FSDP's), their values rounded to ``buffer_dtype``; integer buffers untouched."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    net.register_buffer("wide", torch.tensor(1.2345678901234567, dtype=torch.float64))
+    want = net.state_dict()
+    wrapped = hetero.wrap(net, device="cpu", mixed_precision=hetero.MixedPrecision(
+        param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    assert net[1].running_var.dtype == torch.bfloat16  # what compute uses
+    got = wrapped.state_dict()
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    assert got["wide"].item() == torch.tensor(1.2345678901234567).to(torch.bfloat16).item()
+    assert torch.equal(got["1.num_batches_tracked"], want["1.num_batches_tracked"])
+    wrapped.close()

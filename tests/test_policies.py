@@ -986,3 +986,33 @@ def test_a_policy_instance_runs_live_and_replays_from_where_it_started() -> None
     Locked.name = "lru"  # a built-in's name does not make a fresh built-in its stand-in
     with pytest.raises(HeteroConfigError, match="policy="):
         run(Locked()).simulate()
+
+
+@pytest.mark.parametrize("between", ["summon", "state_dict", "load_state_dict"])
+def test_bounds_stay_below_a_run_that_read_state_mid_training(tmp_path, between) -> None:
+    """Reads that are not compute (state_dict, a summon, a load) acquire blocks on the device
+    unrecorded; their releases must not unpin what compute pinned in the co-resident bound,
+    which else counts those blocks as pinned for the rest of the log and exceeds the run."""
+    torch.manual_seed(0)
+    model = GPT()
+    total = state_bytes(model)
+    wrapped = hetero.wrap(model, device="cpu", device_budget=int(total * 0.25), host_budget=int(total * 0.3),
+                          nvme_path=str(tmp_path), chunk_size="8KiB", policy="opt")
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(batches(6, seed=4)):
+        if i == 2:
+            if between == "summon":
+                with wrapped.summon_full_params():
+                    pass
+            elif between == "state_dict":
+                wrapped.state_dict()
+            else:
+                wrapped.load_state_dict(wrapped.state_dict())
+        wrapped(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    rep = wrapped.placement_report()
+    run = rep.as_dict()["traffic"]["host->device"]
+    assert rep.simulate().traffic["host->device"] == run
+    assert rep.belady_bound() <= rep.coresident_bound() <= run
+    wrapped.close()

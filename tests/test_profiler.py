@@ -87,6 +87,10 @@ def test_the_trace_has_compute_units_stalls_moves_and_tier_counters(report, tmp_
     roots = [e for e in phases["forward"] if e["args"]["unit"] == ""]
     for e in phases["forward"]:  # nested as the units are: inside its step's root forward
         assert any(r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"] + 1e-3 for r in roots)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in compute)  # one track: nested or apart
+    for i, (s1, e1) in enumerate(spans):
+        for s2, e2 in spans[i + 1:]:
+            assert s2 >= e1 - 1e-3 or e2 <= e1 + 1e-3, f"spans {s1}-{e1} and {s2}-{e2} overlap"
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"compute", "stalls", "host->device"} <= names
 

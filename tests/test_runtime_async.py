@@ -647,8 +647,8 @@ def test_failed_optimizer_step_under_host_pressure_changes_nothing(swapdir, faul
     "reproduces the run (record the failure, e.g. the failed op's issue index, and fail it in "
     "SimStorage)"))
 def test_replay_reproduces_a_run_that_survived_a_failed_transfer(swapdir, faults, monkeypatch) -> None:
-    # (Synchronous steps: with the default postponed updates this run happens to replay alike,
-    # the fault hitting a read the run then repeats; the limitation is the same.)
+    # (Synchronous steps here; with the default postponed updates a fault breaks the replay
+    # likewise. README, Limitations.)
     monkeypatch.setenv("HETERO_DEFER_STEP", "0")
     model = wrap_gpt(swapdir, 0.2, 0.3, "lru")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
@@ -1313,3 +1313,46 @@ def test_a_runtime_bug_a_release_finds_raises_at_once(rig) -> None:
         rt.release([a], DEVICE)
     del rt._finish
     assert rt._failure is None
+
+
+def test_replay_reproduces_a_run_with_no_swap_file(tmp_path) -> None:
+    """An NVMe budget under one slot makes no swap file: the replay must carve none either (one
+    slot there would take small blocks the run kept on the host)."""
+    from torch import nn
+
+    from hetero.wrap import minimum_budgets
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(32, 32)] + [nn.Linear(2, 2) for _ in range(12)])
+            self.head = nn.Linear(32, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.head(self.layers[0](x))
+            for layer in self.layers[1:]:
+                y = y + layer(y)
+            return y.pow(2).mean()
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return Net()
+
+    probe = hetero.wrap(make(), device="cpu", chunk_size=4224)
+    slot = probe._hetero_state.runtime.slot_size
+    device_min, _ = minimum_budgets(probe, True)
+    probe.close()
+    x = torch.randn(8, 32)
+    for host in (245760, 249856):
+        model = hetero.wrap(make(), device="cpu", device_budget=device_min, host_budget=host,
+                            nvme_path=str(tmp_path), nvme_budget=slot // 2, chunk_size=4224, policy="lru")
+        opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(3):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+        rep = model.placement_report()
+        assert rep.nvme_files == []
+        sim = rep.simulate()
+        assert sim.oom is None and sim.traffic == rep.as_dict()["traffic"], host
+        model.close()

@@ -382,3 +382,41 @@ def test_a_wrapped_module_inside_a_parent_round_trips_its_state_dict(tight: dict
     result = parent.load_state_dict(dict(missing, extra=torch.zeros(1)), strict=False)
     assert result.missing_keys == [gone] and result.unexpected_keys == ["extra"]
     wrapped.close()
+
+
+def test_clipping_with_two_optimizers_sharing_chunks_and_clipping_twice(tight: dict) -> None:
+    """The clip's scale is applied where a gradient is next read; it must survive one optimizer
+    clearing its parameters' gradients while another's, in the same chunks, still wait (a
+    partial zero_grad), and a second clip before the step must round as torch's in-place clips
+    do ((g * c1) * c2). Bit-identical to torch's clip and two torch AdamWs."""
+    eager = make()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
+    halves = [list(m.parameters())[0::2] for m in (eager, wrapped)], [list(m.parameters())[1::2] for m in (eager, wrapped)]
+    topts = [torch.optim.AdamW(h[0], lr=1e-2) for h in halves]
+    hopts = [hetero.optim.AdamW(h[1], lr=1e-2) for h in halves]
+    for i, (x, y) in enumerate(batches(4, seed=6)):
+        norms = []
+        for model, opts in ((eager, topts), (wrapped, hopts)):
+            loss_of(model(x, y)).backward()
+            clip = (lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)) if model is eager \
+                else wrapped.clip_grad_norm_
+            norms.append([clip(0.3), clip(0.07) if i % 2 else None])
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=i < 2)
+        assert norms[0][0] == norms[1][0] and norms[0][1] == norms[1][1]
+    for k, v in eager.state_dict().items():
+        assert torch.equal(wrapped.state_dict()[k], v), k
+    wrapped.close()
+
+
+def test_a_write_inside_summon_without_writeback_raises(tight: dict) -> None:
+    """Inside summon_full_params(writeback=False) every change is discarded at its end: a
+    load_state_dict there would report success and load nothing, so it raises instead."""
+    _, _, eager, wrapped = train_pair(make, tight, batches(1))
+    with wrapped.summon_full_params(writeback=False):
+        with pytest.raises(hetero.HeteroStateError, match="writeback=False"):
+            wrapped.load_state_dict(GPT().state_dict())
+        wrapped.state_dict()  # reading is fine
+    assert_same_model(eager, wrapped)
+    wrapped.close()

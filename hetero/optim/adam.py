@@ -506,9 +506,10 @@ class Adam(torch.optim.Optimizer):
             chunks[chunk.index] = chunk
         if rt is not None:
 
-            def values() -> Iterator[tuple[Block, torch.Tensor]]:
+            def moments() -> Iterator[list[tuple[Block, torch.Tensor]]]:
                 for index, items in by_chunk.items():
                     chunk = chunks[index]
+                    group = []
                     for kind in (EXP_AVG, EXP_AVG_SQ):
                         block = chunk.add_block(kind, chunk.state_dtype)
                         flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=block.dtype)
@@ -517,9 +518,17 @@ class Adam(torch.optim.Optimizer):
                                 slot.slice(flat).zero_()
                             else:
                                 slot.slice(flat).copy_(entry[kind])
-                        yield block, flat
+                        group.append((block, flat))
+                    yield group
 
-            rt.write_all(values())  # all or nothing, as is what follows (no I/O)
+            kept: set[str] = set()
+            try:
+                rt.write_all(moments(), kept)  # all or nothing, as is what follows (no I/O)
+            except BaseException:  # near capacity, chunks it could not undo keep the new moments
+                for _, chunk, slot in self._slots_in_order():
+                    if chunk.blocks[PARAM].chunk_id in kept:
+                        slot.step = steps[id(slot)]
+                raise
             for _, chunk, slot in self._slots_in_order():
                 slot.step = steps[id(slot)]
         for saved, group in zip(saved_groups, self.param_groups):

@@ -27,9 +27,21 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
         block = chunk.blocks[GRAD]
         tier = rt.working_tier(block)
         scale = chunk.grad_scale
-        rt.acquire([block], tier)
+        low = block.dtype in (torch.float16, torch.bfloat16)
+        # A scale pending from an earlier clip is applied to fp32 gradients first, rounded as
+        # torch's in-place clips round ((g * c1) * c2, not g * (c1 * c2)): the same gradient,
+        # so a failure after it changes nothing. Low-precision gradients keep the product (their
+        # masters' update applies it in fp32).
+        fold = scale is not None and not low
+        rt.acquire([block], tier, write=fold)
         try:
             flat = rt.data(block, tier)
+            if fold:
+                with torch.no_grad():
+                    for s in chunk.slots:
+                        if s.has_grad:
+                            s.slice(flat).mul_(scale.to(flat.device))
+                chunk.grad_scale = scale = None
             for s in chunk.slots:
                 if s.has_grad:
                     g = s.slice(flat)  # low-precision gradients are measured in fp32, as on their masters
@@ -45,8 +57,8 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     # Not applied here: each chunk's gradient is scaled where it is next read (the optimizer's
     # kernel, an accumulation into it, the next clip), one fp32 multiply as torch's in-place
-    # scaling makes. So clipping writes nothing: a failed read above leaves every gradient as it
-    # was, and no grad block moves twice.
+    # scaling makes. So clipping writes nothing (but a pending scale, above): a failed read
+    # leaves every gradient as it was, and no grad block moves twice.
     for chunk in chunks:
         chunk.grad_scale = coef if chunk.grad_scale is None else chunk.grad_scale * coef
     return total
