@@ -106,15 +106,30 @@ def unit_params(units: list[tuple[str, nn.Module]]) -> list[list[tuple[nn.Parame
 
 
 def _map_tensors(fn: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]], tree: Any) -> Any:
-    """Apply ``fn`` once to all tensors in ``tree`` that require grad; return the new tree."""
-    leaves, spec = pytree.tree_flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not idx:
+    """Apply ``fn`` once to all tensors in ``tree`` that require grad; return the new tree.
+    Containers are pytree's, and dataclass instances (whose init fields are looked into, as
+    FSDP's hooks do)."""
+    found: list[torch.Tensor] = []
+    _rebuild(tree, lambda t: found.append(t) or t)
+    if not found:
         return tree
-    out = fn(tuple(leaves[i] for i in idx))
-    for i, t in zip(idx, out):
-        leaves[i] = t
-    return pytree.tree_unflatten(leaves, spec)
+    out = iter(fn(tuple(found)))
+    return _rebuild(tree, lambda t: next(out))
+
+
+def _rebuild(tree: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` with each tensor that requires grad replaced by ``replace(tensor)``, in order."""
+    if _is_dataclass(tree):
+        return dataclasses.replace(tree, **{f.name: _rebuild(getattr(tree, f.name), replace)
+                                            for f in dataclasses.fields(tree) if f.init})
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_dataclass)
+    if len(leaves) == 1 and leaves[0] is tree:
+        return replace(tree) if isinstance(tree, torch.Tensor) and tree.requires_grad else tree
+    return pytree.tree_unflatten([_rebuild(x, replace) for x in leaves], spec)
+
+
+def _is_dataclass(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
 # The autograd graph (which may outlive the model, e.g. through a kept loss tensor or a failed
@@ -170,7 +185,8 @@ def register_hooks(state_ref: StateRef, unit: Unit) -> None:
             output = _hook_backward(state_ref, "pre_backward", call, output)
         return output
 
-    unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    # First: forward pre-hooks the model already had (weight_norm's, pruning's) read parameters.
+    unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True)
     unit.module.register_forward_hook(post_forward)
 
 

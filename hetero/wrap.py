@@ -9,6 +9,7 @@ and the optimizer talk to; :class:`HeteroModule` is what the user holds.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
@@ -388,6 +389,34 @@ class HeteroModule(nn.Module):
         finally:
             self._hetero_state.sync_grads = prev
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> "HeteroModule":  # type: ignore[override]
+        """As ``nn.Module.apply``, with every parameter summoned (as FSDP's ``apply``): an
+        initializer writes into the chunks, not into placeholders."""
+        with self._hetero_state.full_params(writeback=True):
+            return super().apply(fn)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "HeteroModule":
+        """``.to()``, ``.half()``, ``.cuda()`` and the like: hetero places the parameters and
+        fixes their dtypes at wrap (``device=``, ``mixed_precision=``), so only a conversion that
+        changes nothing is accepted."""
+        seen = set()
+        for t in itertools.chain(self.module.parameters(), self.module.buffers()):
+            if (t.dtype, t.device) in seen:
+                continue
+            seen.add((t.dtype, t.device))
+            out = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if out.dtype != t.dtype or out.device != t.device:
+                raise HeteroStateError(
+                    f"a HeteroModule's tensors cannot be converted ({t.dtype} on {t.device} -> "
+                    f"{out.dtype} on {out.device}): hetero places them and fixes their dtypes at wrap; "
+                    "expected device= and mixed_precision= given to hetero.wrap instead")
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise HeteroStateError("a HeteroModule cannot be pickled or copied: its state lives in hetero's "
+                               "tiers and swap files; expected model.state_dict() (and the optimizer's) "
+                               "saved instead, loaded into a freshly wrapped module")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``nn.Module.zero_grad``: the gradients live in hetero's grad blocks."""
         self._hetero_state.zero_grad(None, set_to_none)
@@ -659,6 +688,8 @@ def wrap(
         raise
     state = HeteroState(cfg, module, units, chunks, runtime, policy_start)
     state.buffer_dtypes = buffer_dtypes
+    for c in chunks:  # at rest, as off the device: the caller's tensors are not the state any more
+        c.detach_params()
     ref = weakref.ref(state)
     for unit in units:
         register_hooks(ref, unit)

@@ -4,6 +4,7 @@ state dicts (model and optimizer, interchangeable with torch's), summon_full_par
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -419,4 +420,131 @@ def test_a_write_inside_summon_without_writeback_raises(tight: dict) -> None:
             wrapped.load_state_dict(GPT().state_dict())
         wrapped.state_dict()  # reading is fine
     assert_same_model(eager, wrapped)
+    wrapped.close()
+
+
+def test_parameters_at_rest_after_wrap_hold_no_stale_copy() -> None:
+    """After wrap the state lives in the chunks: a parameter at rest reads NaN (as off the
+    device), not the tensor it had before wrapping, which is let go. A computation that reads a
+    unit's parameter outside that unit's forward therefore fails loudly instead of training on
+    the initial values in silence (nn.MultiheadAttention reads out_proj.weight without calling
+    out_proj: with out_proj a unit of its own, the loss is NaN or the call raises)."""
+    model = make()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB")
+    for n, p in wrapped.named_parameters():
+        assert torch.isnan(p).all(), n
+    got = wrapped.state_dict()
+    for n, v in before.items():
+        assert torch.equal(got[n], v), n
+    x, y = batches(1)[0]
+    assert torch.isfinite(loss_of(wrapped(x, y)))  # in its units' forwards they are there
+    wrapped.close()
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Attention(), Attention())
+    wrapped = hetero.wrap(net, device="cpu", chunk_size="4KiB", auto_wrap_policy={torch.nn.Linear, Attention})
+    x = torch.randn(2, 5, 16)
+    try:
+        loss = wrapped(x).pow(2).mean()
+    except RuntimeError:
+        pass
+    else:
+        assert torch.isnan(loss)
+    wrapped.close()
+
+
+@dataclasses.dataclass
+class _Hidden:
+    h: torch.Tensor
+    note: str = "kept"
+
+
+class _DataclassBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> _Hidden:
+        return _Hidden(torch.tanh(self.lin(x)))
+
+
+class _DataclassNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_DataclassBlock() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            out = b(x)
+            assert out.note == "kept"
+            x = out.h
+        return x.pow(2).mean()
+
+
+def _weight_normed() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    for lin in net:
+        torch.nn.utils.weight_norm(lin)  # a forward pre-hook, registered before wrap, reads params
+    return net
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
+@pytest.mark.parametrize("make_net", [_weight_normed, lambda: (torch.manual_seed(0), _DataclassNet())[1]],
+                         ids=["pre-hook before wrap", "dataclass outputs"])
+def test_units_with_hooks_of_their_own_or_dataclass_outputs_train_as_eager(make_net) -> None:
+    """A unit's parameters are fetched before any forward pre-hook the model already had (the
+    old weight_norm's recomputes the weight from them), and the backward hooks are attached to
+    tensors inside a dataclass a unit returns (else its backward runs without its parameters)."""
+    eager = make_net()
+    wrapped = hetero.wrap(make_net(), device="cpu", device_budget=3000, chunk_size="4KiB")
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 16)
+        losses = []
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            out = model(x)
+            loss = out if out.dim() == 0 else out.pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert_same_model(eager, wrapped)
+    wrapped.close()
+
+
+def test_apply_initializes_the_chunks_and_conversions_are_refused(tight: dict) -> None:
+    """``apply(init)`` runs with every parameter summoned (as FSDP's), so the values reach the
+    chunks wherever they live; ``.half()``, ``.to("meta")`` and pickling raise a clear error
+    before changing anything; a conversion that changes nothing is accepted."""
+    import pickle
+
+    eager = make()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
+
+    def init(m: torch.nn.Module) -> None:
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.constant_(m.weight, 0.01)
+
+    eager.apply(init)
+    assert wrapped.apply(init) is wrapped
+    assert_same_model(eager, wrapped)
+    for convert in (lambda m: m.half(), lambda m: m.to("meta"), lambda m: m.double(), pickle.dumps):
+        with pytest.raises(hetero.HeteroStateError):
+            convert(wrapped)
+    assert wrapped.to("cpu") is wrapped and wrapped.float() is wrapped
+    x, y = batches(1)[0]
+    torch.testing.assert_close(loss_of(wrapped(x, y)), loss_of(eager(x, y)))
     wrapped.close()
