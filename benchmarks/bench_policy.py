@@ -21,7 +21,7 @@ bytes, bounds, misses and stalls are summed over the seeds before any ratio is t
 model's transient (which experts the router picks first, and when) differs from seed to seed,
 and over a dozen steps the whole device traffic of a wide budget is a few of those picks.
 
-    python benchmarks/bench_policy.py                # full table, writes benchmarks/policy.png
+    python benchmarks/bench_policy.py --plot benchmarks/policy.png   # full table and its plot
     python benchmarks/bench_policy.py --quick        # fewer steps and budgets
     python benchmarks/bench_policy.py --models moe --seeds 4 --steps 24 --plot moe.png
     python benchmarks/bench_policy.py --json out.json
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, default=1, help="runs pooled per cell (seeds 0..N-1)")
     ap.add_argument("--quick", action="store_true", help="6 steps, 25%% budget only")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "policy.png"))
+    ap.add_argument("--plot", metavar="PNG", default=None,
+                    help="write the plot there (the committed one: benchmarks/policy.png)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.budgets = 6, [0.25]
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    plot(results, args.plot)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
     return {"results": results}
 
 

@@ -66,6 +66,11 @@ for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     print(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
 EOF
+status=$?
+if [ "$status" -ne 0 ]; then  # no usable GPU: nothing below would measure anything
+  echo "gpu_check: stopping (exit $status)" >&2
+  exit "$status"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 if command -v nvcc >/dev/null 2>&1; then nvcc --version | tail -1; else echo "nvcc: not on PATH"; fi
 echo "CPUs: $(nproc); $(grep -m1 'model name' /proc/cpuinfo)"

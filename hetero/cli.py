@@ -106,7 +106,11 @@ class RunResult:
 
 def resolve_device(device: str | None) -> torch.device:
     if device:
-        return torch.device(device)
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            raise HeteroConfigError(f"--device {device!r} is not a device; expected cpu, cuda or "
+                                    "cuda:N") from None
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
@@ -114,7 +118,8 @@ def resolve_device(device: str | None) -> torch.device:
 
 def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool) -> Budgets:
     dev = parse_size(device_budget, "device_budget") or state // DEVICE_FRACTION
-    host = parse_size(host_budget, "host_budget") or state // HOST_FRACTION
+    # Without NVMe the host holds what the device does not (else the defaults could not train).
+    host = parse_size(host_budget, "host_budget") or (state // HOST_FRACTION if nvme else state)
     # NVMe holds the rest. Its cap is twice the state: a block has at most one copy there, so it
     # never fills up, whatever mix of sole and clean copies (and swap-file fragmentation) it holds.
     return Budgets(state=state, device=dev, host=host, nvme=2 * state if nvme else None)
@@ -270,7 +275,17 @@ def _print_summary(res: RunResult) -> None:
               f"{min(10, len(res.losses))}), floor {res.entropy:.3f} (data entropy)")
 
 
+def _check_writable(path: str | None, what: str) -> None:
+    """Refuse an output path that cannot be written before the run, not after it."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise HeteroConfigError(f"{what} {path!r}: {parent!r} is not a writable directory")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    _check_writable(args.json, "--json")
     res = _run_from_args(args, "hetero train")
     _print_summary(res)
     _write_json(args.json, res.json_dict())
@@ -285,8 +300,9 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    os.makedirs(args.out, exist_ok=True)
+    _check_writable(os.path.join(args.out, "report.json") if os.path.isdir(args.out) else args.out, "--out")
     res = _run_from_args(args, "hetero profile")
+    os.makedirs(args.out, exist_ok=True)
     paths = {name: os.path.join(args.out, name)
              for name in ("report.json", "trace.json", "placement.png", "access_log.jsonl")}
     with open(paths["report.json"], "w") as f:
@@ -303,6 +319,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import plan
 
+    _check_writable(args.json, "--json")
     _set_threads(args.threads)
     result = plan(args.model, device_budget=args.device_budget, host_budget=args.host_budget,
                   nvme_path=args.nvme_path, no_nvme=args.no_nvme, chunk_size=args.chunk_size,

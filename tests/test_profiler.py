@@ -127,8 +127,23 @@ def test_hetero_profile_writes_report_trace_plot_and_access_log(tmp_path, capsys
 
 
 @pytest.mark.parametrize("argv", [["train", "--steps", "0"], ["profile", "--batch-size", "-1"],
-                                  ["train", "--steps", "-3"]])
-def test_the_cli_refuses_counts_below_one(argv, capsys) -> None:
+                                  ["train", "--steps", "-3"], ["train", "--device", "tpu"],
+                                  ["train", "--json", "/nonexistent-dir/x.json"],
+                                  ["plan", "--json", "/nonexistent-dir/x.json"],
+                                  ["profile", "--out", "/proc/not-here/out"]])
+def test_the_cli_refuses_bad_arguments_before_running(argv, capsys, tmp_path, monkeypatch) -> None:
+    """One line naming the argument, exit code 2, before any training (so an unwritable --json
+    does not waste the run) and before profile makes its output directory."""
+    monkeypatch.chdir(tmp_path)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "HeteroConfigError" in err and "expected a whole number >= 1" in err
+    assert "HeteroConfigError" in err and "Traceback" not in err
+    assert argv[1].lstrip("-").replace("-", "_") in err.replace("-", "_")
+    assert list(tmp_path.iterdir()) == []  # (profile's default --out included)
+
+
+def test_the_cli_trains_without_nvme_on_its_default_budgets(capsys) -> None:
+    assert cli.main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--no-nvme",
+                     "--no-progress"]) == 0
+    report = capsys.readouterr().out.split("model:")[0]
+    assert "nvme   capacity" not in report and "host->nvme 0 B" in report
