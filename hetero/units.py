@@ -41,6 +41,7 @@ class Unit:
     param_blocks: list[Block] = dataclasses.field(default_factory=list)
     calls: list["Call"] = dataclasses.field(default_factory=list)  # open forward calls (a stack)
     backward_pins: int = 0  # calls whose backward currently holds the param blocks
+    trainable: frozenset[int] = frozenset()  # ids of its own parameters that require grad
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,6 +54,8 @@ class Call:
     forward_start: float = 0.0  # when its forward (its backward) had its blocks: the profiler's
     backward_start: float = 0.0  # compute spans (Tracker.compute)
     recompute: bool = False  # a forward activation checkpointing re-runs inside backward
+    inputs_hooked: bool = False  # an input needs grad: its backward's end is signalled there
+    waiting: set[int] = dataclasses.field(default_factory=set)  # else: parameter grads still due
 
 
 def default_auto_wrap_policy(root: nn.Module) -> Callable[[nn.Module, bool, int], bool]:
@@ -173,7 +176,9 @@ def register_hooks(state_ref: StateRef, unit: Unit) -> None:
         call = state.pre_forward(unit)
         unit.calls.append(call)
         if torch.is_grad_enabled():
-            args, kwargs = _hook_backward(state_ref, "post_backward", call, (args, kwargs))
+            inputs = (args, kwargs)
+            args, kwargs = hooked = _hook_backward(state_ref, "post_backward", call, inputs)
+            call.inputs_hooked = hooked is not inputs
         return args, kwargs
 
     def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:

@@ -69,6 +69,7 @@ class HeteroState:
         # The grad block the backward is accumulating into, kept acquired on the device across
         # consecutive gradients of its chunk (see accumulate_grad).
         self._grad_pin: Optional[Block] = None
+        self._waiting: list[Call] = []  # backward calls released by their last gradient
 
     # --------------------------------------------------------------- hooks (see hetero.units)
 
@@ -110,12 +111,23 @@ class HeteroState:
         call.pinned = True
         call.unit.backward_pins += 1
         call.backward_start = self.runtime.tracker.now()
-        # Released by _PostBackward, or at the latest when this backward pass ends.
+        # Released by _PostBackward on its inputs; where none needs grad (token ids, a detached
+        # input), once its own parameters' gradients are all in (accumulate_grad): else such
+        # units would stay pinned together until the pass ends, more than the budget allows for.
+        # At the latest when this backward pass ends.
+        if not call.inputs_hooked and call.unit.trainable:
+            call.waiting = set(call.unit.trainable)
+            self._waiting.append(call)
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "post_backward", call))
 
     def post_backward(self, call: Call) -> None:
         self.release_grad_pin()
+        self._end_backward(call)
+
+    def _end_backward(self, call: Call) -> None:
+        if call in self._waiting:
+            self._waiting.remove(call)
         for rerun in call.unit.calls:  # a re-run non-reentrant checkpointing stopped early (no
             if rerun.recompute and rerun.forward_start:  # post-forward): it ran inside this backward
                 self.runtime.tracker.compute(call.unit.name, "recompute", rerun.forward_start)
@@ -153,6 +165,10 @@ class HeteroState:
             else:
                 dst.copy_(grad)
                 slot.has_grad = True
+        for call in [c for c in self._waiting if id(param) in c.waiting]:
+            call.waiting.discard(id(param))
+            if not call.waiting:  # the unit's backward is done (see pre_backward)
+                self._end_backward(call)
 
     def release_grad_pin(self) -> None:
         """Let the grad block being accumulated into go (it may be evicted again)."""
@@ -208,6 +224,7 @@ class HeteroState:
         """Undo the pins of a forward that raised half-way, so training can go on."""
         self.runtime.unpin_all()
         self._grad_pin = None
+        self._waiting.clear()
         for unit in self.units:
             unit.calls.clear()
             unit.backward_pins = 0
@@ -652,7 +669,8 @@ def wrap(
                   compute_dtype=mp.param_dtype if mp else None,
                   grad_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None)
     param_block = {id(s.param): c.blocks[PARAM] for c in chunks for s in c.slots}
-    units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]))
+    units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]),
+                  trainable=frozenset(id(p) for p, _ in found if p.requires_grad))
              for i, ((name, m), found) in enumerate(zip(chosen, per_unit))]
     parents = _parents(chosen)
     _check_budgets(cfg, units, parents, chunks)

@@ -548,3 +548,39 @@ def test_apply_initializes_the_chunks_and_conversions_are_refused(tight: dict) -
     x, y = batches(1)[0]
     torch.testing.assert_close(loss_of(wrapped(x, y)), loss_of(eager(x, y)))
     wrapped.close()
+
+
+class _Towers(torch.nn.Module):
+    """Two embedding tables fed token ids (no input needs grad), then a layer over both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = torch.nn.ModuleList([torch.nn.Embedding(30, 8), torch.nn.Embedding(30, 8)])
+        self.fc = torch.nn.Linear(16, 2)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.tables[0](a), self.tables[1](b)], -1)).pow(2).mean()
+
+
+def test_units_whose_inputs_need_no_grad_train_at_the_minimum_budget() -> None:
+    """A unit whose inputs need no gradient gets no signal that its backward ended: it is let go
+    once its own parameters' gradients are in, not at the end of the pass, where several such
+    units pinned together exceeded the minimum device budget wrap names (and accepts)."""
+    torch.manual_seed(0)
+    eager = _Towers()
+    with pytest.raises(hetero.HeteroConfigError) as info:
+        hetero.wrap(copy.deepcopy(eager), device="cpu", device_budget=1, chunk_size="4KiB")
+    minimum = int(str(info.value).split("device_budget>=")[1].split(",")[0].split(" ")[0])
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", device_budget=minimum, chunk_size="4KiB")
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(3):
+        a, b = torch.randint(0, 30, (4,)), torch.randint(0, 30, (4,))
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            model(a, b).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+    assert_within_budgets(wrapped)
+    wrapped.close()
