@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                          "all": {name: v for name, v in results.items()}}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 

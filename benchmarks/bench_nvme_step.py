@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
+        print(f"wrote {args.json}")
     return 0
 
 

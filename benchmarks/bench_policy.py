@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
     if args.plot:
         plot(results, args.plot)
         print(f"wrote {args.plot}")

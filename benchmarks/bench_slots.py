@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 
