@@ -275,13 +275,22 @@ def _print_summary(res: RunResult) -> None:
               f"{min(10, len(res.losses))}), floor {res.entropy:.3f} (data entropy)")
 
 
-def _check_writable(path: str | None, what: str) -> None:
-    """Refuse an output path that cannot be written before the run, not after it."""
+def _check_writable(path: str | None, what: str, directory: bool = False) -> None:
+    """Refuse an output path (a file; with ``directory``, a directory made if missing) that
+    cannot be written, before the run rather than after it."""
     if path is None:
         return
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise HeteroConfigError(f"{what} {path!r}: {parent!r} is not a writable directory")
+    path = os.path.abspath(path)
+    if os.path.isdir(path) != directory and os.path.exists(path):
+        raise HeteroConfigError(f"{what} {path!r} exists and is {'not ' if directory else ''}a directory")
+    if directory and os.path.isdir(path):
+        existing = path
+    else:
+        existing = os.path.dirname(path)
+        while directory and not os.path.exists(existing):  # (made, with its parents)
+            existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise HeteroConfigError(f"{what} {path!r}: {existing!r} is not a writable directory")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -300,7 +309,7 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    _check_writable(os.path.join(args.out, "report.json") if os.path.isdir(args.out) else args.out, "--out")
+    _check_writable(args.out, "--out", directory=True)
     res = _run_from_args(args, "hetero profile")
     os.makedirs(args.out, exist_ok=True)
     paths = {name: os.path.join(args.out, name)

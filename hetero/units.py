@@ -20,6 +20,7 @@ forward all stay correct.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -41,7 +42,10 @@ class Unit:
     param_blocks: list[Block] = dataclasses.field(default_factory=list)
     calls: list["Call"] = dataclasses.field(default_factory=list)  # open forward calls (a stack)
     backward_pins: int = 0  # calls whose backward currently holds the param blocks
-    trainable: frozenset[int] = frozenset()  # ids of its own parameters that require grad
+    # Ids of its own parameters, where all of them require grad (else empty): once their
+    # gradients are in, its backward is done. (A frozen one may still be on the path of
+    # gradients to other units' parameters after that.)
+    trainable: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(eq=False)
@@ -108,27 +112,64 @@ def unit_params(units: list[tuple[str, nn.Module]]) -> list[list[tuple[nn.Parame
     return result
 
 
-def _map_tensors(fn: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]], tree: Any) -> Any:
+def _map_tensors(fn: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]], tree: Any,
+                 into_dataclasses: bool = False) -> Any:
     """Apply ``fn`` once to all tensors in ``tree`` that require grad; return the new tree.
-    Containers are pytree's, and dataclass instances (whose init fields are looked into, as
-    FSDP's hooks do)."""
+    Containers are pytree's, and with ``into_dataclasses`` (a unit's outputs, as FSDP's hooks
+    do) dataclass instances too: a shallow copy with the changed fields set, so that nothing
+    of the instance is rebuilt (no ``__init__`` or ``__post_init__`` run again, fields that are
+    not init arguments and extra keys of a dict-like one kept)."""
     found: list[torch.Tensor] = []
-    _rebuild(tree, lambda t: found.append(t) or t)
+    _collect(tree, found, into_dataclasses)
     if not found:
         return tree
     out = iter(fn(tuple(found)))
-    return _rebuild(tree, lambda t: next(out))
+    return _rebuild(tree, lambda t: next(out), into_dataclasses)
 
 
-def _rebuild(tree: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``tree`` with each tensor that requires grad replaced by ``replace(tensor)``, in order."""
-    if _is_dataclass(tree):
-        return dataclasses.replace(tree, **{f.name: _rebuild(getattr(tree, f.name), replace)
-                                            for f in dataclasses.fields(tree) if f.init})
-    leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_dataclass)
+def _children(tree: Any, into_dataclasses: bool) -> Optional[list[tuple[Any, Any]]]:
+    """(name, value) of the fields of a dataclass ``tree``, or None."""
+    if into_dataclasses and _is_dataclass(tree):
+        return [(f.name, getattr(tree, f.name)) for f in dataclasses.fields(tree) if hasattr(tree, f.name)]
+    return None
+
+
+def _collect(tree: Any, found: list[torch.Tensor], into_dataclasses: bool) -> None:
+    fields = _children(tree, into_dataclasses)
+    if fields is not None:
+        for _, value in fields:
+            _collect(value, found, into_dataclasses)
+        return
+    leaves, _ = pytree.tree_flatten(tree, is_leaf=_is_dataclass if into_dataclasses else None)
+    if len(leaves) == 1 and leaves[0] is tree:
+        if isinstance(tree, torch.Tensor) and tree.requires_grad:
+            found.append(tree)
+        return
+    for leaf in leaves:
+        _collect(leaf, found, into_dataclasses)
+
+
+def _rebuild(tree: Any, replace: Callable[[torch.Tensor], torch.Tensor], into_dataclasses: bool) -> Any:
+    """``tree`` with each tensor that requires grad replaced by ``replace(tensor)``, in the order
+    :func:`_collect` finds them."""
+    fields = _children(tree, into_dataclasses)
+    if fields is not None:
+        copied = None
+        for name, value in fields:
+            new = _rebuild(value, replace, into_dataclasses)
+            if new is not value:
+                copied = copy.copy(tree) if copied is None else copied
+                object.__setattr__(copied, name, new)  # (frozen ones too)
+                if isinstance(copied, dict) and name in copied:  # a dict-like output (HF's)
+                    dict.__setitem__(copied, name, new)
+        return tree if copied is None else copied
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_dataclass if into_dataclasses else None)
     if len(leaves) == 1 and leaves[0] is tree:
         return replace(tree) if isinstance(tree, torch.Tensor) and tree.requires_grad else tree
-    return pytree.tree_unflatten([_rebuild(x, replace) for x in leaves], spec)
+    new = [_rebuild(x, replace, into_dataclasses) for x in leaves]
+    if all(a is b for a, b in zip(new, leaves)):
+        return tree
+    return pytree.tree_unflatten(new, spec)
 
 
 def _is_dataclass(x: Any) -> bool:
@@ -159,13 +200,13 @@ class _BackwardHook(torch.autograd.Function):
         return (None, None, None) + grads
 
 
-def _hook_backward(state: StateRef, method: str, call: Call, tree: Any) -> Any:
+def _hook_backward(state: StateRef, method: str, call: Call, tree: Any, into_dataclasses: bool = False) -> Any:
     """``tree`` with its grad-requiring tensors routed through one :class:`_BackwardHook`."""
     def apply(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         out = _BackwardHook.apply(state, method, call, *tensors)
         return out if isinstance(out, tuple) else (out,)
 
-    return _map_tensors(apply, tree)
+    return _map_tensors(apply, tree, into_dataclasses)
 
 
 def register_hooks(state_ref: StateRef, unit: Unit) -> None:
@@ -187,7 +228,7 @@ def register_hooks(state_ref: StateRef, unit: Unit) -> None:
         if state is not None:
             state.post_forward(call)
         if torch.is_grad_enabled():
-            output = _hook_backward(state_ref, "pre_backward", call, output)
+            output = _hook_backward(state_ref, "pre_backward", call, output, into_dataclasses=True)
         return output
 
     # First: forward pre-hooks the model already had (weight_norm's, pruning's) read parameters.

@@ -409,7 +409,10 @@ class HeteroModule(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> "HeteroModule":  # type: ignore[override]
         """As ``nn.Module.apply``, with every parameter summoned (as FSDP's ``apply``): an
         initializer writes into the chunks, not into placeholders."""
-        with self._hetero_state.full_params(writeback=True):
+        st = self._hetero_state
+        if st.summoned:  # inside summon_full_params: its copies, its write-back (or not)
+            return super().apply(fn)
+        with st.full_params(writeback=True):
             return super().apply(fn)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "HeteroModule":
@@ -670,7 +673,8 @@ def wrap(
                   grad_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None)
     param_block = {id(s.param): c.blocks[PARAM] for c in chunks for s in c.slots}
     units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]),
-                  trainable=frozenset(id(p) for p, _ in found if p.requires_grad))
+                  trainable=frozenset(id(p) for p, _ in found)
+                  if found and all(p.requires_grad for p, _ in found) else frozenset())
              for i, ((name, m), found) in enumerate(zip(chosen, per_unit))]
     parents = _parents(chosen)
     _check_budgets(cfg, units, parents, chunks)

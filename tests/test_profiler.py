@@ -130,10 +130,12 @@ def test_hetero_profile_writes_report_trace_plot_and_access_log(tmp_path, capsys
                                   ["train", "--steps", "-3"], ["train", "--device", "tpu"],
                                   ["train", "--json", "/nonexistent-dir/x.json"],
                                   ["plan", "--json", "/nonexistent-dir/x.json"],
-                                  ["profile", "--out", "/proc/not-here/out"]])
+                                  ["profile", "--out", __file__ + "/out"],  # (under a file)
+                                  ["train", "--json", "/"]])
 def test_the_cli_refuses_bad_arguments_before_running(argv, capsys, tmp_path, monkeypatch) -> None:
     """One line naming the argument, exit code 2, before any training (so an unwritable --json
-    does not waste the run) and before profile makes its output directory."""
+    does not waste the run) and before profile makes its output directory; a directory --out
+    that does not exist yet, with its parents, is fine."""
     monkeypatch.chdir(tmp_path)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -147,3 +149,10 @@ def test_the_cli_trains_without_nvme_on_its_default_budgets(capsys) -> None:
                      "--no-progress"]) == 0
     report = capsys.readouterr().out.split("model:")[0]
     assert "nvme   capacity" not in report and "host->nvme 0 B" in report
+
+
+def test_hetero_profile_makes_a_nested_output_directory(tmp_path) -> None:
+    out = tmp_path / "a" / "b"
+    assert cli.main(["profile", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--chunk-size", "64KiB",
+                     "--nvme-path", str(tmp_path / "swap"), "--out", str(out), "--no-progress"]) == 0
+    assert (out / "trace.json").exists()

@@ -464,8 +464,15 @@ def test_parameters_at_rest_after_wrap_hold_no_stale_copy() -> None:
 
 @dataclasses.dataclass
 class _Hidden:
+    """A unit's output: a field that is no init argument, set after construction, and a
+    ``__post_init__`` that must run once (hooking must not rebuild the instance)."""
+
     h: torch.Tensor
     note: str = "kept"
+    extra: str = dataclasses.field(init=False, default="unset")
+
+    def __post_init__(self) -> None:
+        self.h = self.h * 0.5
 
 
 class _DataclassBlock(torch.nn.Module):
@@ -474,7 +481,9 @@ class _DataclassBlock(torch.nn.Module):
         self.lin = torch.nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> _Hidden:
-        return _Hidden(torch.tanh(self.lin(x)))
+        out = _Hidden(torch.tanh(self.lin(x)))
+        out.extra = "set"
+        return out
 
 
 class _DataclassNet(torch.nn.Module):
@@ -485,7 +494,7 @@ class _DataclassNet(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
             out = b(x)
-            assert out.note == "kept"
+            assert out.note == "kept" and out.extra == "set"
             x = out.h
         return x.pow(2).mean()
 
@@ -583,4 +592,44 @@ def test_units_whose_inputs_need_no_grad_train_at_the_minimum_budget() -> None:
             opt.zero_grad()
     assert_same_model(eager, wrapped)
     assert_within_budgets(wrapped)
+    wrapped.close()
+
+
+class _FrozenMiddle(torch.nn.Module):
+    """The root's own parameters: a frozen layer between two units, then a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)])
+        self.mid = torch.nn.Linear(64, 64).requires_grad_(False)
+        self.head = torch.nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers[1](self.mid(self.layers[0](x)))).pow(2).mean()
+
+
+@pytest.mark.parametrize("policy", ["lru", "static", "auto"])
+def test_a_unit_with_a_frozen_parameter_waits_for_the_end_of_its_backward(policy) -> None:
+    """The root's inputs need no grad, and its trainable head's gradient arrives first: its
+    frozen middle layer is still on the gradient's way to the first unit. Let go early (at
+    its last trainable gradient), its block was evicted under the frozen layer's backward."""
+    from hetero.wrap import minimum_budgets
+
+    torch.manual_seed(0)
+    eager = _FrozenMiddle()
+    probe = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size=64 * 64 * 4)
+    device_min, _ = minimum_budgets(probe, False)
+    probe.close()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", device_budget=device_min,
+                          chunk_size=64 * 64 * 4, policy=policy)
+    eopt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 64)
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
     wrapped.close()
