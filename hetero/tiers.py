@@ -530,7 +530,7 @@ class SwapSpace:
         """Slots of each swap file for ``capacity`` bytes, whose whole slots the files never
         exceed (``nvme_budget`` caps the bytes on disk): up to MAX_FILES files, each but the
         last large enough for the largest block (a larger one is scattered over free slots).
-        None where not one slot fits. The simulator carves the same pools."""
+        No file (an empty list) where not one slot fits. The simulator carves the same pools."""
         total = capacity // slot_size
         per_file = max(-(-total // cls.MAX_FILES), min(total, -(-largest_block // slot_size)), 1)
         return [min(per_file, total - start) for start in range(0, total, per_file)]
