@@ -123,6 +123,7 @@ class Config:
     mixed_precision: Optional[MixedPrecision]
     process_group: Any
     param_init_fn: Optional[Callable[[torch.nn.Module], None]]
+    log_steps: Optional[int] = None  # the report's logs keep the last this many steps (None: all)
 
 
 def _parse_device(device: Any) -> torch.device:
@@ -257,8 +258,12 @@ def resolve(
     mixed_precision: Any,
     process_group: Any,
     param_init_fn: Any,
+    log_steps: Any = None,
 ) -> Config:
     """Validate every argument of ``hetero.wrap`` and resolve defaults; raises HeteroConfigError."""
+    if log_steps is not None and (isinstance(log_steps, bool) or not isinstance(log_steps, int) or log_steps < 1):
+        raise HeteroConfigError(f"log_steps={log_steps!r} is not accepted; expected an int >= 1 (the "
+                                "steps the report's logs keep) or None to keep them all")
     dev = _parse_device(device)
     dev_budget = parse_size(device_budget, "device_budget")
     host = parse_size(host_budget, "host_budget")
@@ -289,4 +294,5 @@ def resolve(
         mixed_precision=_parse_mixed_precision(mixed_precision),
         process_group=process_group,
         param_init_fn=param_init_fn,
+        log_steps=log_steps,
     )

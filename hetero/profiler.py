@@ -26,7 +26,7 @@ class Report:
                  events: list[tuple] = (), catalog: Optional[dict[str, tuple[str, int]]] = None,
                  slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None,
                  policy: Any = _UNKNOWN, nvme_files: Optional[list[int]] = None,
-                 computes: list[tuple[str, str, float, float]] = ()) -> None:
+                 computes: list[tuple[str, str, float, float]] = (), log_first_step: int = 0) -> None:
         # policy: what a replay starts from (a name, or a copy of the run's instance taken before
         # it ran); None where the instance could not be copied; by default the summary's name.
         self._summary = summary
@@ -36,6 +36,7 @@ class Report:
         self.usage = usage
         self.stalls = stalls
         self.computes = list(computes)  # (unit or "optimizer", phase, start, end)
+        self.log_first_step = log_first_step  # the oldest step the logs hold (wrap's log_steps)
         self.events = list(events)  # every runtime call, for replay in the simulator
         self.catalog = catalog or {}  # block id -> (kind, bytes)
         self.slot_size = slot_size
@@ -48,9 +49,9 @@ class Report:
         rt = state.runtime
         tr = rt.tracker
         hotness: dict[str, int] = {}
-        for a in tr.accesses:  # accesses per completed step: a block's heat
+        for a in tr.accesses:  # accesses per completed step (of those the logs hold): a block's heat
             hotness[a.block] = hotness.get(a.block, 0) + 1
-        steps = max(tr.step, 1)
+        steps = max(tr.step - tr.first_step, 1)
         blocks = [{"id": b.id, "kind": b.kind, "bytes": b.nbytes,
                    "tier": rt.top(b) if b.tiers else "none",
                    "hotness": hotness.get(b.id, 0) / steps} for b in rt.blocks()]
@@ -72,11 +73,13 @@ class Report:
             "prefetch": {"issued": tr.prefetch_issued, "hits": tr.prefetch_hits},
             # per step, the share of accesses that followed the recorded step (trace policies)
             "trace_follow": [m / n if n else 1.0 for m, n in follow],
+            # the oldest step the logs (access log, trace, plot) hold: 0 unless wrap's log_steps
+            "log_first_step": tr.first_step,
         }
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
         return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
                    list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
-                   state.policy_start, rt.nvme_files, list(tr.computes))
+                   state.policy_start, rt.nvme_files, list(tr.computes), tr.first_step)
 
     def capacities(self, **budgets: Optional[int]) -> dict[str, int]:
         """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced."""
@@ -93,6 +96,7 @@ class Report:
         from .policies import POLICIES, Policy
         from .simulator import replay
 
+        self._check_whole_log()
         if policy is None:
             start = self._summary["policy"] if self._policy is _UNKNOWN else self._policy
             if start is None or (isinstance(start, str) and start not in POLICIES):
@@ -107,10 +111,21 @@ class Report:
                       self.prefetch if prefetch is None else prefetch, self.host_slots,
                       self.nvme_files if nvme is None else None)  # (another budget: one pool)
 
+    def _check_whole_log(self) -> None:
+        """A replay (or a bound) needs the event log from the first step."""
+        if self.log_first_step:
+            from .errors import HeteroStateError
+
+            raise HeteroStateError(
+                f"this run's logs hold steps {self.log_first_step} on only (hetero.wrap's log_steps), "
+                "and a replay needs every step from the first; expected a run wrapped with "
+                "log_steps=None")
+
     def belady_bound(self, device: Optional[int] = None) -> int:
         """Belady's minimum of bytes fetched onto the device for this run's accesses."""
         from .simulator import belady_bound
 
+        self._check_whole_log()
         return belady_bound(self.events, self.catalog, self.capacities(device=device)["device"])
 
     def coresident_bound(self, device: Optional[int] = None) -> int:
@@ -119,12 +134,14 @@ class Report:
         it is created): tighter than :meth:`belady_bound`, still a lower bound."""
         from .simulator import coresident_bound
 
+        self._check_whole_log()
         return coresident_bound(self.events, self.catalog, self.capacities(device=device)["device"])
 
     def save_event_log(self, path: str) -> None:
         """JSON Lines of every runtime call (create / acquire / release / discard / end_step),
         preceded by one header line with the catalog, slot size and capacities: the input of
         ``hetero.simulator.load_event_log``."""
+        self._check_whole_log()
         with open(path, "w") as f:
             f.write(json.dumps({"catalog": self.catalog, "slot_size": self.slot_size,
                                 "capacities": self.capacities(), "prefetch": self.prefetch,

@@ -308,7 +308,7 @@ class Runtime:
                     else:
                         self._free(block, other)
         if record:
-            seq = len(self.tracker.accesses)
+            seq = self.tracker.access_count
             for block in blocks:
                 self.tracker.access(block.id, block.nbytes, tier, group, write)
             self.policy.observe([b.id for b in blocks], tier, self.tracker.step, seq, write)
@@ -425,7 +425,7 @@ class Runtime:
         self.policy.end_step(self.tracker.step)
         self._staged.clear()
         self._victims.invalidate()
-        self.tracker.step += 1
+        self.tracker.next_step()
         self._pump()
 
     def drain(self, stall: bool = False) -> None:

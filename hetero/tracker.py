@@ -84,6 +84,12 @@ class Tracker:
         self.prefetch_issued = 0
         self.prefetch_hits = 0
         self.follow: list[tuple[int, int]] = []  # per step: (acquires matching the recorded step, acquires)
+        self.access_count = 0  # accesses recorded so far (the next one's seq)
+        # The window (wrap's log_steps): the logs hold steps from first_step on (all: 0).
+        self.keep_steps: Optional[int] = None
+        self.first_step = 0
+        self._dropped_events = 0
+        self._step_starts: dict[int, tuple[float, int]] = {0: (0.0, 0)}  # step -> (time, event index)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -92,7 +98,8 @@ class Tracker:
         self.events.append(ev)
 
     def access(self, block: str, nbytes: int, tier: str, group: int, write: bool) -> Access:
-        a = Access(self.step, len(self.accesses), block, nbytes, tier, group, write)
+        a = Access(self.step, self.access_count, block, nbytes, tier, group, write)
+        self.access_count += 1
         self.accesses.append(a)
         self.stats.setdefault(block, BlockStats()).touch(a.seq, a.step)
         if block in self.prefetched:
@@ -124,6 +131,27 @@ class Tracker:
         self.step_stall[self.step] += end - start
         if optimizer:
             self.optimizer_stall_seconds += end - start
+
+    def next_step(self) -> None:
+        """A step ended. With ``keep_steps``, drop what the logs hold of steps before the last
+        ``keep_steps`` (done once they hold twice that, so each entry is looked at twice)."""
+        self.step += 1
+        if self.keep_steps is None:
+            return
+        self._step_starts[self.step] = (self.now(), self._dropped_events + len(self.events))
+        first = self.step - self.keep_steps
+        if first - self.first_step < self.keep_steps:
+            return
+        t_cut, e_cut = self._step_starts[first]
+        self.accesses = [a for a in self.accesses if a.step >= first]
+        self.moves = [m for m in self.moves if m.start >= t_cut]
+        self.usage = [u for u in self.usage if u[0] >= t_cut]
+        self.stalls = [s for s in self.stalls if s[0] >= t_cut]
+        self.computes = [c for c in self.computes if c[2] >= t_cut]
+        del self.events[:e_cut - self._dropped_events]
+        self._dropped_events = e_cut
+        self._step_starts = {s: v for s, v in self._step_starts.items() if s >= first}
+        self.first_step = first
 
     def compute(self, what: str, phase: str, start: float) -> None:
         """Compute ran from ``start`` until now: ``phase`` (forward, backward, recompute, step)

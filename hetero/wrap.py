@@ -625,12 +625,17 @@ def wrap(
     mixed_precision: Any = None,
     process_group: Any = None,
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+    log_steps: Optional[int] = None,
 ) -> HeteroModule:
     """Place ``module``'s training state across device, host and NVMe under hard budgets.
 
-    See ``shared/API.md`` for every argument. Raises HeteroConfigError (before anything moves) for
-    invalid arguments and budgets below the minimum, HeteroOOMError when the tiers together cannot
-    hold the parameters and gradients.
+    See ``shared/API.md`` for every argument. ``log_steps`` (beyond API.md): the report's logs
+    (events, accesses, moves, tier usage, stalls, compute spans) keep only about the last
+    ``log_steps`` steps, so that a long run's memory does not grow with it; the access log is
+    then complete for those steps only, and a report cannot be replayed. None (the default)
+    keeps everything. Raises HeteroConfigError (before anything moves) for invalid arguments
+    and budgets below the minimum, HeteroOOMError when the tiers together cannot hold the
+    parameters and gradients.
     """
     if not isinstance(module, nn.Module):
         raise HeteroConfigError(f"module={type(module).__name__} is not accepted; expected a torch.nn.Module")
@@ -640,7 +645,8 @@ def wrap(
         device=device, device_budget=device_budget, host_budget=host_budget, nvme_path=nvme_path,
         nvme_budget=nvme_budget, policy=policy, chunk_size=chunk_size, prefetch=prefetch,
         auto_wrap_policy=auto_wrap_policy, sharding_strategy=sharding_strategy,
-        mixed_precision=mixed_precision, process_group=process_group, param_init_fn=param_init_fn)
+        mixed_precision=mixed_precision, process_group=process_group, param_init_fn=param_init_fn,
+        log_steps=log_steps)
     bad = [n for n, p in module.named_parameters() if p.device.type not in ("cpu", "meta")]
     if bad:
         raise HeteroConfigError(f"module has parameters on {module.get_parameter(bad[0]).device} "
@@ -688,6 +694,7 @@ def wrap(
     # Nothing has moved so far; from here on the runtime places the state.
     policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run
     runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
+    runtime.tracker.keep_steps = cfg.log_steps
     original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
     on_meta = [s.param for c in chunks for s in c.slots if s.param.is_meta]
     buffer_dtypes = {name: b.dtype for name, b in module.named_buffers()}  # (before buffer_dtype)

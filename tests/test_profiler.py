@@ -156,3 +156,44 @@ def test_hetero_profile_makes_a_nested_output_directory(tmp_path) -> None:
     assert cli.main(["profile", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--chunk-size", "64KiB",
                      "--nvme-path", str(tmp_path / "swap"), "--out", str(out), "--no-progress"]) == 0
     assert (out / "trace.json").exists()
+
+
+def test_log_steps_bounds_the_logs_and_changes_nothing_else(tmp_path) -> None:
+    """``log_steps=N``: a long run's logs hold about the last N steps (between N and 2N), the
+    access log of those steps complete and numbered as in a full run, the trace and plot drawn
+    from them; training, traffic and placement are those of a run that keeps everything; and a
+    replay, which needs the whole log, says so."""
+    runs = {}
+    for keep in (None, 2):
+        torch.manual_seed(0)
+        model = GPT()
+        total = state_bytes(model)
+        wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB", device_budget=int(total * 0.25),
+                              host_budget=int(total * 0.3), nvme_path=str(tmp_path / str(keep)), log_steps=keep)
+        opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        sizes = []
+        for x, y in batches(9, seed=2):
+            wrapped(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            tr = wrapped._hetero_state.runtime.tracker
+            sizes.append(len(tr.events))
+        runs[keep] = (wrapped.placement_report(), wrapped.state_dict(), sizes)
+        wrapped.close()
+    (full, full_sd, full_sizes), (window, window_sd, window_sizes) = runs[None], runs[2]
+    for k, v in full_sd.items():
+        assert torch.equal(window_sd[k], v), k
+    assert window.as_dict()["traffic"] == full.as_dict()["traffic"]
+    assert full.as_dict()["log_first_step"] == 0 and window.as_dict()["log_first_step"] >= 9 - 4
+    assert max(window_sizes) < max(full_sizes) / 2  # bounded, where the full log keeps growing
+    first = window.log_first_step
+    kept = [a.as_dict() for a in window.accesses]
+    assert kept == [a.as_dict() for a in full.accesses if a.step >= first]
+    window.to_chrome_trace(str(tmp_path / "trace.json"))
+    window.plot(str(tmp_path / "plot.png"))
+    for replay in (window.simulate, window.belady_bound, window.coresident_bound):
+        with pytest.raises(hetero.HeteroStateError, match="log_steps"):
+            replay()
+    assert full.simulate().traffic == full.as_dict()["traffic"]
+    with pytest.raises(hetero.HeteroConfigError, match="log_steps"):
+        hetero.wrap(torch.nn.Linear(2, 2), device="cpu", log_steps=0)
