@@ -151,6 +151,8 @@ class Tracker:
         del self.events[:e_cut - self._dropped_events]
         self._dropped_events = e_cut
         self._step_starts = {s: v for s, v in self._step_starts.items() if s >= first}
+        for stats in self.stats.values():
+            stats.per_step = {s: n for s, n in stats.per_step.items() if s >= first}
         self.first_step = first
 
     def compute(self, what: str, phase: str, start: float) -> None:
