@@ -72,6 +72,7 @@ class Tracker:
         self.stalls: list[tuple[float, float, str]] = []  # (start, end, block) waits for data
         # (what, phase, start, end): a unit's forward / backward / recompute, the optimizer's step
         self.computes: list[tuple[str, str, float, float]] = []
+        self.stall_seconds = 0.0  # all of them, since the start (the list may be a window)
         self.optimizer_stall_seconds = 0.0  # the part of them spent on deferred optimizer updates
         self.step_stall: list[float] = []  # stall seconds per step (the first steps record and warm up)
         self.traffic = {d: 0 for d in DIRECTIONS}
@@ -126,6 +127,7 @@ class Tracker:
         """Compute waited for ``block`` from ``start`` to ``end``; ``optimizer``: for a deferred
         optimizer update of it to finish (not for a transfer)."""
         self.stalls.append((start, end, block))
+        self.stall_seconds += end - start
         while len(self.step_stall) <= self.step:
             self.step_stall.append(0.0)
         self.step_stall[self.step] += end - start
@@ -160,6 +162,3 @@ class Tracker:
         of ``what`` (a wrapped unit, the optimizer), for the trace and the plot."""
         self.computes.append((what, phase, start, self.now()))
 
-    @property
-    def stall_seconds(self) -> float:
-        return sum((e - s for s, e, _ in self.stalls), 0.0)

@@ -631,9 +631,11 @@ def wrap(
 
     See ``shared/API.md`` for every argument. ``log_steps`` (beyond API.md): the report's logs
     (events, accesses, moves, tier usage, stalls, compute spans) keep only about the last
-    ``log_steps`` steps, so that a long run's memory does not grow with it; the access log is
-    then complete for those steps only, and a report cannot be replayed. None (the default)
-    keeps everything. Raises HeteroConfigError (before anything moves) for invalid arguments
+    ``log_steps`` optimizer steps, so that a long run's memory does not grow with it (the
+    per-step totals, a few hundred bytes a step, are kept whole; a loop of forwards without
+    optimizer steps, such as a long evaluation, still grows the logs); the access log is then
+    complete for those steps only, and a report cannot be replayed. None (the default) keeps
+    everything. Raises HeteroConfigError (before anything moves) for invalid arguments
     and budgets below the minimum, HeteroOOMError when the tiers together cannot hold the
     parameters and gradients.
     """

@@ -184,6 +184,9 @@ def test_log_steps_bounds_the_logs_and_changes_nothing_else(tmp_path) -> None:
     for k, v in full_sd.items():
         assert torch.equal(window_sd[k], v), k
     assert window.as_dict()["traffic"] == full.as_dict()["traffic"]
+    for rep in (window.as_dict(), full.as_dict()):  # totals over the whole run, window or not
+        assert rep["stall_seconds"] == pytest.approx(sum(rep["step_stall_seconds"]))
+        assert rep["stall_seconds_optimizer"] <= rep["stall_seconds"] + 1e-9
     assert full.as_dict()["log_first_step"] == 0 and window.as_dict()["log_first_step"] >= 9 - 4
     assert max(window_sizes) < max(full_sizes) / 2  # bounded, where the full log keeps growing
     first = window.log_first_step
