@@ -333,19 +333,6 @@ class Runtime:
         finally:
             self.release([block], tier)
 
-    def write(self, block: Block, value: torch.Tensor) -> None:
-        """Overwrite ``block``'s data with the flat ``value`` (creating the block if needed)."""
-        if not block.tiers:
-            self.create(block, value)
-            return
-        tier = self.working_tier(block)
-        self.acquire([block], tier, write=True, record=False)
-        try:
-            with torch.no_grad():
-                self.data(block, tier).copy_(value.reshape(-1))
-        finally:
-            self.release([block], tier)
-
     def write_all(self, groups: Iterable[Sequence[tuple[Block, torch.Tensor]]],
                   kept: Optional[set[str]] = None) -> None:
         """Overwrite blocks with new values, all or nothing: inside a :meth:`transaction`, each
@@ -379,9 +366,10 @@ class Runtime:
             raise
 
     def _write_group(self, group: Sequence[tuple[Block, torch.Tensor]]) -> None:
-        """Write each value into its block (as :meth:`write`): a new block is created with it;
-        the others are acquired together, then copied into, so that a failed fetch among them
-        leaves every block of the group as it was."""
+        """Overwrite each block's data with its flat value (not recorded as a compute access):
+        a block that does not exist yet is created with it; the others are acquired together on
+        their working tiers, then copied into, so that a failed fetch among them leaves every
+        block of the group as it was."""
         by_tier: dict[str, list[tuple[Block, torch.Tensor]]] = {}
         for block, value in group:
             if not block.tiers:
