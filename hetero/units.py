@@ -120,7 +120,7 @@ def _map_tensors(fn: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ..
     of the instance is rebuilt (no ``__init__`` or ``__post_init__`` run again, fields that are
     not init arguments and extra keys of a dict-like one kept)."""
     found: list[torch.Tensor] = []
-    _collect(tree, found, into_dataclasses)
+    _rebuild(tree, lambda t: found.append(t) or t, into_dataclasses)  # (same tensors: nothing built)
     if not found:
         return tree
     out = iter(fn(tuple(found)))
@@ -134,24 +134,9 @@ def _children(tree: Any, into_dataclasses: bool) -> Optional[list[tuple[Any, Any
     return None
 
 
-def _collect(tree: Any, found: list[torch.Tensor], into_dataclasses: bool) -> None:
-    fields = _children(tree, into_dataclasses)
-    if fields is not None:
-        for _, value in fields:
-            _collect(value, found, into_dataclasses)
-        return
-    leaves, _ = pytree.tree_flatten(tree, is_leaf=_is_dataclass if into_dataclasses else None)
-    if len(leaves) == 1 and leaves[0] is tree:
-        if isinstance(tree, torch.Tensor) and tree.requires_grad:
-            found.append(tree)
-        return
-    for leaf in leaves:
-        _collect(leaf, found, into_dataclasses)
-
-
 def _rebuild(tree: Any, replace: Callable[[torch.Tensor], torch.Tensor], into_dataclasses: bool) -> Any:
-    """``tree`` with each tensor that requires grad replaced by ``replace(tensor)``, in the order
-    :func:`_collect` finds them."""
+    """``tree`` with each tensor that requires grad replaced by ``replace(tensor)``, in order;
+    ``tree`` itself (no container or dataclass copied) where ``replace`` changes none."""
     fields = _children(tree, into_dataclasses)
     if fields is not None:
         copied = None
