@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -37,6 +37,8 @@ class ParamSlot:
     shape: torch.Size
     has_grad: bool = False  # a gradient was accumulated since the last zero_grad
     step: int = 0  # optimizer steps taken (torch keeps this per parameter)
+    # The hetero optimizer whose state (step, moments) the slot holds: a weakref.ref, or None.
+    owner: Optional[Callable[[], object]] = None
 
     def slice(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.offset:self.offset + self.numel].view(self.shape)

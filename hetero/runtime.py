@@ -354,10 +354,15 @@ class Runtime:
         try:
             with self.transaction() as txn:
                 for group in groups:
-                    for block, _ in group:
-                        if block.tiers:
-                            self.ensure_shadow(block, self.working_tier(block))
-                    self._write_group(group)
+                    blocks = [b for b, _ in group]
+                    self.protect(blocks)  # a shadow copied for one must not make room for the next
+                    try:
+                        for block in blocks:
+                            if block.tiers:
+                                self.ensure_shadow(block, self.working_tier(block))
+                        self._write_group(group)
+                    finally:
+                        self.protect(blocks, on=False)
                     written.update(b.chunk_id for b, _ in group)
                 self.drain()
         except BaseException:

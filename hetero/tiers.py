@@ -666,8 +666,9 @@ class TierStorage:
     def alloc(self, block, tier: str) -> None:
         """Back ``block``'s device buffer with memory (a no-op for slots, which always are)."""
         if tier == DEVICE:
-            if block.device is None:
-                block.device = torch.empty(block.numel, dtype=block.dtype, device=self.device)
+            if block.device is None:  # kept for the run: a normal tensor, even if the first
+                with torch.inference_mode(False):  # use is an inference-mode forward
+                    block.device = torch.empty(block.numel, dtype=block.dtype, device=self.device)
             elif block.device.untyped_storage().nbytes() < block.nbytes:
                 block.device.untyped_storage().resize_(block.nbytes)
 

@@ -62,11 +62,32 @@ class Call:
     waiting: set[int] = dataclasses.field(default_factory=set)  # else: parameter grads still due
 
 
+def _called(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (``nn.ModuleList``, ``nn.ModuleDict`` and
+    ``nn.ParameterList`` have none: their children are called instead, so as units their
+    parameters would never be fetched)."""
+    return type(module).forward is not nn.Module.forward
+
+
 def default_auto_wrap_policy(root: nn.Module) -> Callable[[nn.Module, bool, int], bool]:
     """Wrap the elements of ``nn.ModuleList`` / ``nn.Sequential`` containers that hold parameters:
-    in transformer models those are the blocks (``h``, ``layers``), the natural unit to stream."""
-    repeated = {id(child) for m in root.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
-                for child in m.children() if any(True for _ in child.parameters())}
+    in transformer models those are the blocks (``h``, ``layers``), the natural unit to stream.
+    An element without a forward (a ``ModuleDict`` of sublayers) stands for its children."""
+    repeated: set[int] = set()
+
+    def add(child: nn.Module) -> None:
+        if not any(True for _ in child.parameters()):
+            return
+        if _called(child):
+            repeated.add(id(child))
+        else:
+            for c in child.children():
+                add(c)
+
+    for m in root.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            for child in m.children():
+                add(child)
 
     def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
         return True if recurse else id(module) in repeated
@@ -75,7 +96,9 @@ def default_auto_wrap_policy(root: nn.Module) -> Callable[[nn.Module, bool, int]
 
 
 def select_units(root: nn.Module, policy: Callable[..., bool]) -> list[tuple[str, nn.Module]]:
-    """Modules to wrap, root first then pre-order, with FSDP's ``auto_wrap_policy`` semantics."""
+    """Modules to wrap, root first then pre-order, with FSDP's ``auto_wrap_policy`` semantics;
+    never a module without a forward of its own, whatever the policy says (its parameters stay
+    with the unit that calls its children)."""
     chosen: list[tuple[str, nn.Module]] = []
 
     def visit(name: str, module: nn.Module) -> int:
@@ -84,7 +107,8 @@ def select_units(root: nn.Module, policy: Callable[..., bool]) -> list[tuple[str
             return 0
         mark = len(chosen)
         wrapped = sum(visit(f"{name}.{n}" if name else n, c) for n, c in module.named_children())
-        if module is not root and policy(module=module, recurse=False, nonwrapped_numel=nonwrapped - wrapped):
+        if module is not root and _called(module) and policy(module=module, recurse=False,
+                                                             nonwrapped_numel=nonwrapped - wrapped):
             chosen.insert(mark, (name, module))
             return nonwrapped
         return wrapped
@@ -170,12 +194,18 @@ StateRef = Callable[[], Optional["HeteroState"]]
 class _BackwardHook(torch.autograd.Function):
     """Identity in forward; in backward calls ``state.<method>(call)`` once the gradients of all
     the tensors it was applied to are ready (on outputs: before the unit's backward; on inputs:
-    after it)."""
+    after it).
+
+    It returns aliases (``detach()``: same memory and version counter), not its inputs: autograd
+    forbids in-place ops on a custom Function's output that is its input (``nn.ReLU(inplace=True)``
+    after a unit), and allows them on an alias, still raising where eager would (the version
+    counter is shared with the tensor a backward saved)."""
 
     @staticmethod
     def forward(ctx, state: StateRef, method: str, call: Call, *tensors: torch.Tensor):  # type: ignore[override]
         ctx.state, ctx.method, ctx.call = state, method, call
-        return tensors if len(tensors) > 1 else tensors[0]
+        out = tuple(t.detach() for t in tensors)
+        return out if len(out) > 1 else out[0]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]

@@ -334,6 +334,16 @@ class HeteroModule(nn.Module):
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` /
+        ``set_state_dict``): each top-level name of the wrapped module is found under
+        ``module``, which the names (as ``named_parameters`` and ``state_dict`` give them) leave
+        out."""
+        m = self.module
+        names = itertools.chain(m.named_children(), m.named_parameters(recurse=False),
+                                m.named_buffers(recurse=False))
+        return {name: "module" for name, _ in names}
+
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers(prefix, recurse, remove_duplicate)

@@ -20,18 +20,21 @@ the forward computes; a failure there rolls the update forward, not back (:meth:
 
 from __future__ import annotations
 
+import collections.abc
+import copy
 import dataclasses
 import functools
 import itertools
 import logging
 import os
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import exact_size, format_size, raise_budget_advice
-from ..errors import HeteroConfigError, HeteroOOMError
+from ..errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from ..tiers import DEVICE, HOST, NVME
 from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
 from .queue import AdamQueue
@@ -58,6 +61,7 @@ class Adam(torch.optim.Optimizer):
     """``torch.optim.Adam`` (L2 weight decay) for parameters of a :class:`hetero.HeteroModule`."""
 
     _hetero = True
+    _decoupled_only = False
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -86,27 +90,73 @@ class Adam(torch.optim.Optimizer):
         self._queue = AdamQueue()  # runs deferred host updates, in order, off the GIL
         super().__init__(params, defaults)
 
+    @property
+    def state(self) -> "_StateView":  # type: ignore[override]
+        """``optimizer.state`` as torch's code reads it (``opt.state[p]["step"]``, ``if
+        opt.state``); read-only (see :class:`_StateView`)."""
+        return _StateView(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        pass  # torch's constructor sets a dict: the state lives in the model's chunks
+
     # ------------------------------------------------------------------ parameter bookkeeping
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, checked first (a group refused is not added). A parameter whose state an
+        earlier optimizer left (its steps and moments live in the model's chunks, one state per
+        parameter) starts afresh, as in a new torch optimizer; the earlier optimizer then
+        refuses to step it (:meth:`_check_owner`)."""
         from ..wrap import state_of
 
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            st = state_of(p)
-            if st is None:
-                raise HeteroConfigError(
-                    f"params contains a tensor of shape {tuple(p.shape)} that no HeteroModule manages; "
-                    "expected the parameters of hetero.wrap(model) (model.parameters())")
-            if self._state is None:
-                self._state = st
-            elif st is not self._state:
-                raise HeteroConfigError("params come from two HeteroModules; expected one per optimizer")
-            chunk, slot = st.slot_of[id(p)]
-            if not chunk.requires_grad:
-                self._frozen.append((p, slot.names[0]))
-        self._check_frozen()
-        self._check_capacity()
+        old_state, n_frozen = self._state, len(self._frozen)
+        try:
+            for p in self.param_groups[-1]["params"]:
+                st = state_of(p)
+                if st is None:
+                    raise HeteroConfigError(
+                        f"params contains a tensor of shape {tuple(p.shape)} that no HeteroModule manages; "
+                        "expected the parameters of hetero.wrap(model) (model.parameters())")
+                if self._state is None:
+                    self._state = st
+                elif st is not self._state:
+                    raise HeteroConfigError("params come from two HeteroModules; expected one per optimizer")
+                chunk, slot = st.slot_of[id(p)]
+                if not chunk.requires_grad:
+                    self._frozen.append((p, slot.names[0]))
+            self._check_frozen()
+            self._check_capacity()
+            self._take_over(self.param_groups[-1]["params"])
+        except BaseException:
+            self.param_groups.pop()
+            self._state = old_state
+            del self._frozen[n_frozen:]
+            raise
+
+    def _take_over(self, params: list[torch.Tensor]) -> None:
+        """Make this optimizer the owner of ``params``' state, restarting what another left."""
+        me = weakref.ref(self)
+        slots = [self._state.slot_of[id(p)] for p in params]
+        stale = [(c, s) for c, s in slots if s.step and (s.owner is None or s.owner() is not self)]
+        if stale:
+            log.info("hetero: %d parameter(s) had the state of an earlier optimizer; it restarts",
+                     len(stale))
+            self._write_states({id(s): (c, s, None) for c, s in stale})
+        for _, s in slots:
+            s.owner = me
+
+    def _check_owner(self) -> None:
+        """Refuse to use a state that a newer optimizer over the same parameters took over."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                _, slot = self._state.slot_of[id(p)]
+                if slot.owner is None or slot.owner() is not self:
+                    raise HeteroStateError(
+                        f"parameter {slot.names[0]!r} is now optimized by another hetero optimizer, "
+                        "built over it after this one: hetero keeps one optimizer state per "
+                        "parameter (in the model's chunks), and the newer optimizer restarted it; "
+                        "expected one optimizer per parameter (use the newer one)")
 
     def _check_frozen(self) -> None:
         """A parameter frozen when the model was wrapped was packed into a chunk without
@@ -237,6 +287,7 @@ class Adam(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             _check_supported(group, f"param_groups[{i}]: ")
         self._check_frozen()
+        self._check_owner()
         st.drop_stale_pins()
         rt = st.runtime
         rt.catch_up()  # the last step's postponed updates first: they read its gradients
@@ -450,6 +501,11 @@ class Adam(torch.optim.Optimizer):
         return [(i, *st.slot_of[id(p)]) for i, p in enumerate(params)]
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's format (see the module docstring), with torch's state_dict hooks."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        if self._state is not None:
+            self._check_owner()
         groups = []
         index = itertools.count()
         for g in self.param_groups:
@@ -471,15 +527,25 @@ class Adam(torch.optim.Optimizer):
                         flats[key] = rt.read(chunk.blocks[kind])
                     entry[kind] = slot.slice(flats[key]).clone()
                 state[i] = entry
-        return {"state": state, "param_groups": groups}
+        result = {"state": state, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, result)
+            if out is not None:
+                result = out
+        return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``Optimizer.load_state_dict``: every key of the saved groups (a scheduler's
         ``initial_lr`` too), and per parameter its step count and moments; a parameter the
         saved state has none for starts afresh (step 0, zero moments), as in torch. All or
         nothing: a failed swap transfer raises with every state, step count and group as
-        they were (:meth:`Runtime.write_all`)."""
-        saved_groups = state_dict["param_groups"]
+        they were (:meth:`Runtime.write_all`). torch's load_state_dict hooks run around it."""
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = copy.deepcopy(state_dict["param_groups"])  # (a tensor lr is not shared)
         if len(saved_groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
             raise HeteroConfigError("state_dict has parameter groups of different sizes than this "
@@ -487,14 +553,32 @@ class Adam(torch.optim.Optimizer):
         for i, saved in enumerate(saved_groups):
             _check_supported(saved, f"state_dict's param_groups[{i}]: ")
         saved_state = state_dict["state"]
-        rt = self._state.runtime if self._state is not None else None
-        if rt is not None:
-            rt.catch_up()  # else they would run on top of the loaded state
-        steps: dict[int, int] = {}  # id(slot) -> its step count as loaded
+        # The saved groups name each parameter's state key, in this optimizer's order: indices
+        # in torch's own format, names (FQNs) in torch.distributed.checkpoint's.
+        keys = [k for g in saved_groups for k in g["params"]]
+        if self._state is not None:
+            self._check_owner()
+            self._write_states({id(slot): (chunk, slot, saved_state.get(keys[i]))
+                                for i, chunk, slot in self._slots_in_order()})
+        for saved, group in zip(saved_groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    group[k] = tuple(v) if k == "betas" else v
+            if self._decoupled_only:
+                group["decoupled_weight_decay"] = True  # as torch's AdamW, whatever was saved
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _write_states(self, entries: dict[int, tuple[Chunk, ParamSlot, Optional[dict[str, Any]]]]) -> None:
+        """Set each slot's step count and moments to its entry (torch's per-parameter state), or
+        with ``None`` restart it (step 0, zero moments). All or nothing: a failed swap transfer
+        raises with every state and step count as they were (:meth:`Runtime.write_all`)."""
+        rt = self._state.runtime
+        rt.catch_up()  # else they would run on top of the new states
+        steps: dict[int, int] = {}  # id(slot) -> its new step count
         by_chunk: dict[int, list[tuple[ParamSlot, Optional[dict]]]] = {}
         chunks = {}
-        for i, chunk, slot in self._slots_in_order() if rt is not None else ():
-            entry = saved_state.get(i)
+        for chunk, slot, entry in entries.values():
             if entry is None:
                 steps[id(slot)] = 0
                 if not slot.step or not _has_states(chunk):
@@ -504,46 +588,84 @@ class Adam(torch.optim.Optimizer):
                                       else entry["step"])
             by_chunk.setdefault(chunk.index, []).append((slot, entry))
             chunks[chunk.index] = chunk
-        if rt is not None:
 
-            def moments() -> Iterator[list[tuple[Block, torch.Tensor]]]:
-                for index, items in by_chunk.items():
-                    chunk = chunks[index]
-                    group = []
-                    for kind in (EXP_AVG, EXP_AVG_SQ):
-                        block = chunk.add_block(kind, chunk.state_dtype)
-                        flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=block.dtype)
-                        for slot, entry in items:
-                            if entry is None:
-                                slot.slice(flat).zero_()
-                            else:
-                                slot.slice(flat).copy_(entry[kind])
-                        group.append((block, flat))
-                    yield group
+        def moments() -> Iterator[list[tuple[Block, torch.Tensor]]]:
+            for index, items in by_chunk.items():
+                chunk = chunks[index]
+                group = []
+                for kind in (EXP_AVG, EXP_AVG_SQ):
+                    block = chunk.add_block(kind, chunk.state_dtype)
+                    flat = rt.read(block) if block.tiers else torch.zeros(chunk.numel, dtype=block.dtype)
+                    for slot, entry in items:
+                        if entry is None:
+                            slot.slice(flat).zero_()
+                        else:
+                            slot.slice(flat).copy_(entry[kind])
+                    group.append((block, flat))
+                yield group
 
-            kept: set[str] = set()
-            try:
-                rt.write_all(moments(), kept)  # all or nothing, as is what follows (no I/O)
-            except BaseException:  # near capacity, chunks it could not undo keep the new moments
-                for _, chunk, slot in self._slots_in_order():
-                    if chunk.blocks[PARAM].chunk_id in kept:
-                        slot.step = steps[id(slot)]
-                raise
-            for _, chunk, slot in self._slots_in_order():
-                slot.step = steps[id(slot)]
-        for saved, group in zip(saved_groups, self.param_groups):
-            for k, v in saved.items():
-                if k != "params":
-                    group[k] = tuple(v) if k == "betas" else v
+        kept: set[str] = set()
+        try:
+            rt.write_all(moments(), kept)  # all or nothing, as is what follows (no I/O)
+        except BaseException:  # near capacity, chunks it could not undo keep the new moments
+            for chunk, slot, _ in entries.values():
+                if chunk.blocks[PARAM].chunk_id in kept:
+                    slot.step = steps[id(slot)]
+            raise
+        for _, slot, _ in entries.values():
+            slot.step = steps[id(slot)]
 
 
 class AdamW(Adam):
     """``torch.optim.AdamW`` (decoupled weight decay) for parameters of a HeteroModule."""
 
+    _decoupled_only = True  # as torch's AdamW: loading an Adam state keeps decoupled decay
+
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True, **kwargs)
+
+
+class _StateView(collections.abc.Mapping):
+    """A hetero optimizer's per-parameter state in torch's form: for each parameter that has
+    taken a step, ``{"step": tensor, "exp_avg": tensor, "exp_avg_sq": tensor}`` as
+    ``state_dict()`` gives them. Read from the chunks at each lookup (postponed updates run
+    first), and copies: changing them changes nothing (``load_state_dict`` does)."""
+
+    def __init__(self, opt: Adam) -> None:
+        self._opt = opt
+        st = opt._state
+        self._slots = {} if st is None else {
+            id(p): (p, *st.slot_of[id(p)]) for g in opt.param_groups for p in g["params"]}
+
+    def _has(self, slot: ParamSlot) -> bool:
+        return bool(slot.step) and slot.owner is not None and slot.owner() is self._opt
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        found = self._slots.get(id(param))
+        if found is None or not self._has(found[2]):
+            raise KeyError(param)
+        _, chunk, slot = found
+        rt = self._opt._state.runtime
+        rt.catch_up({chunk.blocks[PARAM].chunk_id})
+        entry = {"step": torch.tensor(float(slot.step), dtype=torch.float32)}
+        for kind in (EXP_AVG, EXP_AVG_SQ):
+            entry[kind] = slot.slice(rt.read(chunk.blocks[kind])).clone()
+        return entry
+
+    def __contains__(self, param: object) -> bool:
+        found = self._slots.get(id(param))
+        return found is not None and self._has(found[2])
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for p, _, slot in self._slots.values() if self._has(slot))
+
+    def __len__(self) -> int:
+        return sum(1 for _, _, slot in self._slots.values() if self._has(slot))
+
+    def __repr__(self) -> str:
+        return f"<hetero optimizer state: {len(self)} parameter(s) with a step>"
 
 
 def _has_states(chunk: Chunk) -> bool:

@@ -1,0 +1,188 @@
+"""hetero.optim with the rest of torch's optimizer ecosystem: ``opt.state``, state-dict hooks, a
+second optimizer over the same parameters, AdamW loading an Adam state, refused parameter
+groups, torch.distributed.checkpoint's state-dict helpers, and all-or-nothing loads with NVMe.
+Each compared with torch.optim on the same model and batches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hetero
+from helpers import assert_same_model, budgets, loss_of
+from models import GPT, batches, state_bytes
+
+
+def make() -> GPT:
+    torch.manual_seed(0)
+    return GPT()
+
+
+@pytest.fixture(params=["device25_host", "device20_host30_nvme"])
+def tight(request, tmp_path) -> dict:
+    total = state_bytes(make())
+    if request.param == "device25_host":
+        return budgets(total, 0.25, None) | {"chunk_size": "8KiB"}
+    return budgets(total, 0.20, 0.30, tmp_path) | {"chunk_size": "8KiB"}
+
+
+def train(model, opt, data) -> list[float]:
+    losses = []
+    for x, y in data:
+        loss = loss_of(model(x, y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def pair(tight: dict, cls: str = "AdamW", **hp):
+    eager = make()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
+    hp = dict(lr=1e-2, weight_decay=0.1) | hp
+    return eager, getattr(torch.optim, cls)(eager.parameters(), **hp), wrapped, getattr(hetero.optim, cls)(
+        wrapped.parameters(), **hp)
+
+
+def test_opt_state_reads_as_torch_s(tight: dict) -> None:
+    eager, eopt, wrapped, hopt = pair(tight)
+    assert not hopt.state and len(hopt.state) == 0  # (torch.distributed.checkpoint tests this)
+    data = batches(3)
+    train(eager, eopt, data)
+    train(wrapped, hopt, data)
+    assert len(hopt.state) == len(eopt.state) > 0
+    for pe, ph in zip(eager.parameters(), wrapped.parameters()):
+        assert (ph in hopt.state) == (pe in eopt.state)
+        if pe in eopt.state:
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(hopt.state[ph][k], eopt.state[pe][k])
+    assert list(hopt.state) == [p for p in wrapped.parameters() if p in hopt.state]
+    with pytest.raises(KeyError):
+        hopt.state[torch.zeros(1)]
+
+
+def test_a_new_optimizer_over_the_same_parameters_starts_afresh(tight: dict) -> None:
+    eager, eopt, wrapped, hopt = pair(tight)
+    data = batches(6, seed=3)
+    train(eager, eopt, data[:3])
+    train(wrapped, hopt, data[:3])
+    eopt2 = torch.optim.AdamW(eager.parameters(), lr=5e-3)
+    hopt2 = hetero.optim.AdamW(wrapped.parameters(), lr=5e-3)
+    assert not hopt2.state and hopt2.state_dict()["state"] == {}
+    assert train(wrapped, hopt2, data[3:]) == pytest.approx(train(eager, eopt2, data[3:]), rel=1e-5)
+    assert_same_model(eager, wrapped)
+    assert float(hopt2.state_dict()["state"][0]["step"]) == 3
+    with pytest.raises(hetero.HeteroStateError, match="another hetero optimizer"):
+        hopt.step()  # its state was taken over: stepping it would use the newer one's
+    with pytest.raises(hetero.HeteroStateError, match="another hetero optimizer"):
+        hopt.state_dict()
+
+
+def test_state_dict_hooks_run_as_in_torch(tight: dict) -> None:
+    calls: dict[str, list[str]] = {}
+    for name, opt in zip(("torch", "hetero"), pair(tight)[1::2]):
+        seen = calls[name] = []
+        opt.register_state_dict_pre_hook(lambda o: seen.append("sd_pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: seen.append("sd_post") or {**sd, "extra": 1})
+        opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append("load_pre") or {
+            k: v for k, v in sd.items() if k != "extra"})
+        opt.register_load_state_dict_post_hook(lambda o: seen.append("load_post"))
+        sd = opt.state_dict()
+        assert sd["extra"] == 1
+        opt.load_state_dict(sd)
+    assert calls["hetero"] == calls["torch"] == ["sd_pre", "sd_post", "load_pre", "load_post"]
+
+
+def test_adamw_loading_an_adam_state_keeps_decoupled_decay(tight: dict) -> None:
+    eager, eopt, wrapped, hopt = pair(tight)
+    adam = torch.optim.Adam(make().parameters(), lr=1e-2, weight_decay=0.1)
+    for opt in (eopt, hopt):
+        opt.load_state_dict(adam.state_dict())
+        assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    data = batches(2)
+    train(eager, eopt, data)
+    train(wrapped, hopt, data)
+    assert_same_model(eager, wrapped)
+
+
+def test_a_refused_param_group_is_not_added(tight: dict) -> None:
+    wrapped = hetero.wrap(make(), **tight)
+    opt = hetero.optim.AdamW(list(wrapped.parameters())[:2], lr=1e-2)
+    with pytest.raises(hetero.HeteroConfigError, match="no HeteroModule manages"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": list(wrapped.parameters())[2:]})
+    train(wrapped, opt, batches(1))
+    assert len(opt.state_dict()["param_groups"]) == 2
+
+
+def test_loaded_groups_are_copies(tight: dict) -> None:
+    wrapped = hetero.wrap(make(), **tight)
+    a = hetero.optim.AdamW(wrapped.parameters(), lr=torch.tensor(0.01))
+    other = hetero.wrap(make(), **tight)
+    b = hetero.optim.AdamW(other.parameters(), lr=0.5)
+    b.load_state_dict(a.state_dict())
+    a.param_groups[0]["lr"].fill_(0.02)  # a scheduler changing a tensor lr in place
+    assert float(b.param_groups[0]["lr"]) == pytest.approx(0.01)
+
+
+def test_torch_distributed_checkpoint_state_dict_round_trip(tight: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    eager, eopt, wrapped, hopt = pair(tight)
+    data = batches(5, seed=11)
+    train(eager, eopt, data[:3])
+    train(wrapped, hopt, data[:3])
+    msd, osd = get_state_dict(wrapped, hopt)
+    emsd, eosd = get_state_dict(eager, eopt)
+    assert msd.keys() == emsd.keys() and osd["state"].keys() == eosd["state"].keys()
+    fresh = hetero.wrap(GPT(), **tight)  # other initial weights
+    fresh_opt = hetero.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    assert len(fresh_opt.state) == len(eopt.state)
+    assert train(fresh, fresh_opt, data[3:]) == pytest.approx(train(eager, eopt, data[3:]), rel=1e-5)
+    assert_same_model(eager, fresh)
+
+
+def test_torch_distributed_checkpoint_between_backward_and_step(tight: dict) -> None:
+    """get_state_dict on an optimizer whose gradients are pending must not step it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    eager, eopt, wrapped, hopt = pair(tight)
+    for i, (x, y) in enumerate(batches(3, seed=5)):
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            loss_of(model(x, y)).backward()
+            if i == 1:
+                get_optimizer_state_dict(model, opt)
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+
+
+@pytest.mark.parametrize("after", range(0, 12, 3))
+def test_optimizer_load_with_nvme_is_all_or_nothing(tmp_path, after: int) -> None:
+    """Each chunk's moments are written as one group: a shadow copied for one block of it must
+    not be the room the next block's shadow takes (it was, so a fault left some chunks
+    loaded)."""
+    from hetero import engine
+    from helpers import snapshot, assert_same_state
+
+    wrapped = hetero.wrap(make(), **budgets(state_bytes(make()), 0.3, 0.35, tmp_path), chunk_size="8KiB")
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    data = batches(4)
+    train(wrapped, opt, data[:2])
+    saved = opt.state_dict()
+    train(wrapped, opt, data[2:])
+    before = snapshot(wrapped, opt)
+    engine.inject_fault("eio", after=after)
+    try:
+        with pytest.raises(hetero.HeteroIOError):
+            opt.load_state_dict(saved)
+    finally:
+        engine.inject_fault("none")
+    assert_same_state(before, snapshot(wrapped, opt))
+    opt.load_state_dict(saved)
+    assert float(opt.state_dict()["state"][0]["step"]) == 2
