@@ -1,0 +1,147 @@
+"""Training-loop and autograd patterns that eager PyTorch allows, through hetero under budgets
+that evict units between uses: in-place ops on a unit's outputs and inputs, an
+inference-mode forward before training, containers without a forward of their own."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hetero
+from helpers import assert_same_model
+
+
+def _train_both(make, data, **wrap_kwargs):
+    torch.manual_seed(0)
+    eager = make()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="4KiB", **wrap_kwargs)
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for model, opt in ((eager, eopt), (wrapped, hopt)):
+        for x in data:
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return eager, wrapped
+
+
+class _OutputInPlace(nn.Module):
+    """Units' outputs changed in place by the parent (``nn.ReLU(inplace=True)`` after a
+    ``Linear`` unit in a ``Sequential``, ``out.mul_()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 16))
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+
+    def forward(self, x):
+        x = self.seq(x)
+        for layer in self.layers:
+            out = layer(x)
+            out.mul_(0.5)
+            x = x + out
+        return x
+
+
+class _InputInPlace(nn.Module):
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            x.mul_(2.0)  # its input, in place
+            return torch.tanh(self.lin(x))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([self.Block() for _ in range(3)])
+
+    def forward(self, x):
+        x = x * 1.0
+        for layer in self.layers:
+            x = layer(x) + 0.0
+        return x
+
+
+@pytest.mark.parametrize("make", [_OutputInPlace, _InputInPlace])
+def test_in_place_ops_on_unit_outputs_and_inputs_train_as_eager(make) -> None:
+    data = [torch.randn(4, 16) for _ in range(3)]
+    eager, wrapped = _train_both(make, data, device_budget=6000)
+    assert_same_model(eager, wrapped)
+
+
+def test_in_place_op_on_a_tensor_saved_for_backward_still_raises() -> None:
+    """The aliases a unit returns share the version counter: where eager raises, so does hetero."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh())])
+
+        def forward(self, x):
+            out = self.layers[0](x)
+            out.mul_(2)  # tanh saved its output
+            return out
+
+    for model in (Net(), hetero.wrap(Net(), device="cpu")):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            model(torch.randn(2, 8)).sum().backward()
+
+
+def test_an_inference_mode_forward_first_then_training() -> None:
+    """The first forward of an evicted unit under inference mode allocates its device buffer,
+    which training uses afterwards: it must be a normal tensor."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    eager = Net()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", device_budget=12000, chunk_size="8KiB")
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(wrapped(x), eager(x))
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for model, opt in ((eager, eopt), (wrapped, hopt)):
+        for _ in range(3):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+
+
+class _DictBlocks(nn.Module):
+    """A ModuleList of ModuleDicts whose entries are called (a ModuleDict has no forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleDict({"attn": nn.Linear(16, 16), "ff": nn.Linear(16, 16)})
+                                     for _ in range(3)])
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = x + torch.tanh(blk["attn"](x))
+            x = x + torch.tanh(blk["ff"](x))
+        return x
+
+
+@pytest.mark.parametrize("policy", [None, {nn.ModuleDict}])
+def test_containers_without_a_forward_are_never_units(policy) -> None:
+    data = [torch.randn(4, 16) for _ in range(3)]
+    kw = {} if policy is None else {"auto_wrap_policy": policy}
+    eager, wrapped = _train_both(_DictBlocks, data, **kw)
+    assert_same_model(eager, wrapped)
+    units = {u.name for u in wrapped._hetero_state.units}
+    assert not any(n.count(".") == 1 and n.startswith("blocks.") for n in units), units
+    if policy is None:  # the default streams the called entries
+        assert "blocks.0.attn" in units and "blocks.2.ff" in units
