@@ -293,6 +293,7 @@ class Runtime:
             if tier == DEVICE:
                 self.storage.on_device(block, True)
             if write:
+                self.storage.written(block)
                 others = sorted(block.tiers - {tier}, key=TIER_ORDER.index)
                 keep = self._txn.shadow_tier(block, others) if self._txn is not None else None
                 if (self._txn is not None and keep is None and block not in self._txn.shadows

@@ -134,6 +134,9 @@ class SimStorage:
     def on_device(self, block: SimBlock, resident: bool) -> None:
         pass
 
+    def written(self, block: SimBlock) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

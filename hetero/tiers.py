@@ -721,6 +721,16 @@ class TierStorage:
             else:
                 block.chunk.detach_params()
 
+    def written(self, block) -> None:
+        """``block`` is about to be written (an optimizer step, a state-dict load). For a param
+        block, its parameters' version counters advance as torch's in-place update would, so
+        that a backward through a graph saved before (``loss.backward(retain_graph=True);
+        opt.step(); loss.backward()``) raises as in eager instead of mixing old activations
+        with new weights."""
+        if block.kind == "param":
+            for s in block.chunk.slots:
+                torch.autograd.graph.increment_version(s.param)
+
     def close(self) -> None:
         self.copier.shutdown()
         if self.swap is not None:

@@ -145,3 +145,31 @@ def test_containers_without_a_forward_are_never_units(policy) -> None:
     assert not any(n.count(".") == 1 and n.startswith("blocks.") for n in units), units
     if policy is None:  # the default streams the called entries
         assert "blocks.0.attn" in units and "blocks.2.ff" in units
+
+
+@pytest.mark.parametrize("nvme", [False, True])
+def test_backward_through_a_graph_saved_before_the_step_raises_as_in_eager(tmp_path, nvme: bool) -> None:
+    """``opt.step()`` changes the parameters in place in eager torch, so a retained graph's
+    second backward raises; through hetero the step writes the chunks, and must raise too
+    (it silently mixed old activations with new weights)."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])  # 195 KiB of state
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    kw = dict(device="cpu", device_budget=40_000, chunk_size="4KiB")
+    if nvme:
+        kw |= dict(host_budget=110_000, nvme_path=str(tmp_path))
+    for model in (Net(), hetero.wrap(Net(), **kw)):
+        opt = (hetero.optim.AdamW if isinstance(model, hetero.HeteroModule) else torch.optim.AdamW)(
+            model.parameters(), lr=1e-2)
+        loss = model(torch.randn(4, 64)).sum()
+        loss.backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
