@@ -226,9 +226,12 @@ def _check_callable(value: Any, name: str, accepted: str) -> None:
 
 def _parse_auto_wrap_policy(policy: Any) -> Optional[Callable[..., bool]]:
     accepted = ("a callable(module, recurse, nonwrapped_numel) -> bool, a set of nn.Module "
-                "classes, or None for the default (transformer-block-sized children)")
+                "classes, one of FSDP's policy objects (ModuleWrapPolicy, CustomPolicy), or None "
+                "for the default (transformer-block-sized children)")
     if policy is None:
         return None
+    if callable(getattr(policy, "_run_policy", None)):  # FSDP's _Policy: run on the root at wrap
+        return policy
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = tuple(policy)
         if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):

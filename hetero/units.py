@@ -95,6 +95,18 @@ def default_auto_wrap_policy(root: nn.Module) -> Callable[[nn.Module, bool, int]
     return policy
 
 
+def fsdp_policy(root: nn.Module, policy: Any) -> Callable[[nn.Module, bool, int], bool]:
+    """One of FSDP's policy objects (``torch.distributed.fsdp.wrap._Policy``: ``ModuleWrapPolicy``,
+    ``CustomPolicy``), which pick every module to wrap from the root at once, as an
+    ``auto_wrap_policy`` callable."""
+    chosen = {id(m) for m in policy._run_policy(root, set(), {})}
+
+    def by_choice(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else id(module) in chosen
+
+    return by_choice
+
+
 def select_units(root: nn.Module, policy: Callable[..., bool]) -> list[tuple[str, nn.Module]]:
     """Modules to wrap, root first then pre-order, with FSDP's ``auto_wrap_policy`` semantics;
     never a module without a forward of its own, whatever the policy says (its parameters stay

@@ -27,7 +27,8 @@ from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .policies import make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
 from .tiers import DEVICE, slot_size_for, slots_for
-from .units import Call, Unit, default_auto_wrap_policy, register_hooks, select_units, unit_blocks, unit_params
+from .units import (Call, Unit, default_auto_wrap_policy, fsdp_policy, register_hooks, select_units, unit_blocks,
+                    unit_params)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .profiler import Report
@@ -668,6 +669,8 @@ def wrap(
         raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
 
     wrap_policy = cfg.auto_wrap_policy or default_auto_wrap_policy(module)
+    if hasattr(wrap_policy, "_run_policy"):
+        wrap_policy = fsdp_policy(module, wrap_policy)
     chosen = select_units(module, wrap_policy)
     per_unit = unit_params(chosen)
     names: dict[int, list[str]] = {}

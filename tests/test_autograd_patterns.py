@@ -173,3 +173,15 @@ def test_backward_through_a_graph_saved_before_the_step_raises_as_in_eager(tmp_p
         opt.step()
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+def test_fsdp_policy_objects_choose_the_units() -> None:
+    from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+
+    data = [torch.randn(4, 16) for _ in range(2)]
+    for policy, want in ((ModuleWrapPolicy({nn.Linear}), 6),
+                         (CustomPolicy(lambda m: isinstance(m, nn.Linear) and m is not None), 6),
+                         (CustomPolicy(lambda m: False), 0)):
+        eager, wrapped = _train_both(_DictBlocks, data, auto_wrap_policy=policy)
+        assert_same_model(eager, wrapped)
+        assert len(wrapped._hetero_state.units) == 1 + want  # the root, and those chosen
