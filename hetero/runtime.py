@@ -252,14 +252,15 @@ class Runtime:
         return True
 
     def acquire(self, blocks: Sequence[Block], tier: str = DEVICE, write: bool = False,
-                record: bool = True) -> None:
+                record: bool = True, changed: bool = False) -> None:
         """Pin valid copies of ``blocks`` on ``tier``, creating (zero-filled), fetching and
         evicting as needed, then prefetch what the policy expects next. Returns when the copies
         are there (the wait is recorded as stall time).
 
         Records one access per block (``record=False`` for reads that are not compute, such as
         ``state_dict``). With ``write`` every other copy is dropped (kept as the shadow inside a
-        :meth:`transaction`), because the caller is about to change the data. Raises
+        :meth:`transaction`), because the caller is about to change the data (``changed``: the
+        caller, holding them pinned there, already changed them in place). Raises
         HeteroOOMError when the tier cannot hold them, HeteroIOError when a transfer failed.
         """
         self.check_open()
@@ -293,7 +294,8 @@ class Runtime:
             if tier == DEVICE:
                 self.storage.on_device(block, True)
             if write:
-                self.storage.written(block)
+                if not changed:  # (else the in-place change advanced the versions already)
+                    self.storage.written(block)
                 others = sorted(block.tiers - {tier}, key=TIER_ORDER.index)
                 keep = self._txn.shadow_tier(block, others) if self._txn is not None else None
                 if (self._txn is not None and keep is None and block not in self._txn.shadows

@@ -59,6 +59,7 @@ class Call:
     backward_start: float = 0.0  # compute spans (Tracker.compute)
     recompute: bool = False  # a forward activation checkpointing re-runs inside backward
     inputs_hooked: bool = False  # an input needs grad: its backward's end is signalled there
+    versions: int = 0  # its parameters' version counters, summed, when its forward had them
     waiting: set[int] = dataclasses.field(default_factory=set)  # else: parameter grads still due
 
 

@@ -77,7 +77,8 @@ class HeteroState:
     def pre_forward(self, unit: Unit) -> Call:
         if torch._C._current_graph_task_id() == -1:  # a real forward
             self.runtime.acquire(unit.param_blocks)
-            return Call(unit, forward_pinned=True, forward_start=self.runtime.tracker.now())
+            return Call(unit, forward_pinned=True, forward_start=self.runtime.tracker.now(),
+                        versions=_versions(unit.param_blocks))
         # Activation checkpointing re-runs this forward inside backward. Non-reentrant checkpoint
         # may stop the re-run early, so the post-forward hook is not guaranteed: rely on the
         # backward pin when there is one, else pin until this backward pass ends.
@@ -96,8 +97,22 @@ class HeteroState:
                                          call.forward_start)
             call.forward_start = 0.0
         if call.forward_pinned:
+            if not call.recompute:
+                self._keep_changes(call)
             self.runtime.release(call.unit.param_blocks)
             call.forward_pinned = False
+
+    def _keep_changes(self, call: Call) -> None:
+        """A forward that changed its parameters in place (``nn.Embedding(max_norm=...)``
+        renormalizes the rows it reads) made their device copies the only current ones: the
+        others are dropped, so the change is written back when the block leaves the device."""
+        blocks = call.unit.param_blocks
+        if _versions(blocks) == call.versions:
+            return
+        changed = [b for b in blocks if len(b.tiers) > 1]
+        if changed:
+            self.runtime.acquire(changed, DEVICE, write=True, record=False, changed=True)
+            self.runtime.release(changed, DEVICE)
 
     def _end_recompute(self, call: Call) -> None:
         call.forward_start = 0.0  # (its span ended with the unit's backward, or is unknown)
@@ -471,6 +486,12 @@ class HeteroModule(nn.Module):
 
 
 # ------------------------------------------------------------------------------ wrap
+
+
+def _versions(blocks: list[Block]) -> int:
+    """The version counters of the parameters of param ``blocks``, summed: they only grow, so
+    the sum changes exactly when one of them was updated in place."""
+    return sum(s.param._version for b in blocks for s in b.chunk.slots)
 
 
 def _check_process_group(process_group: Any) -> None:

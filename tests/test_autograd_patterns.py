@@ -185,3 +185,34 @@ def test_fsdp_policy_objects_choose_the_units() -> None:
         eager, wrapped = _train_both(_DictBlocks, data, auto_wrap_policy=policy)
         assert_same_model(eager, wrapped)
         assert len(wrapped._hetero_state.units) == 1 + want  # the root, and those chosen
+
+
+@pytest.mark.parametrize("nvme", [False, True])
+def test_parameters_changed_in_place_by_a_forward_keep_the_change(tmp_path, nvme: bool) -> None:
+    """nn.Embedding(max_norm=...) renormalizes the rows it reads, in place, inside its forward:
+    the device copy is then the current one, and must be written back (it was dropped as
+    unchanged)."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Embedding(64, 32, max_norm=0.5), nn.Linear(32, 32),
+                                         nn.Linear(32, 32)])
+
+        def forward(self, idx):
+            x = self.layers[0](idx)
+            return self.layers[2](torch.tanh(self.layers[1](x)))
+
+    kw = dict(device_budget=17_000)
+    if nvme:
+        kw |= dict(host_budget=46_000, nvme_path=str(tmp_path))
+    data = [torch.randint(0, 64, (4, 8)) for _ in range(3)]
+    torch.manual_seed(0)
+    eager = Net()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="2KiB", **kw)
+    with torch.no_grad():
+        for x in data:  # forward only: each renormalizes its rows
+            eager(x)
+            wrapped(x)
+    assert_same_model(eager, wrapped)
+    eager, wrapped = _train_both(Net, data, **kw)
+    assert_same_model(eager, wrapped)
