@@ -158,15 +158,34 @@ def _default_device_budget(device: torch.device) -> int:
     return int(free * (1 - DEVICE_RESERVE_FRACTION))
 
 
-def _parse_policy(policy: Any) -> Any:
+def parse_policy(policy: Any, name: str = "policy") -> Any:
+    """A policy name in POLICIES, or a hetero.Policy instance that can choose victims (what
+    ``wrap`` and ``Report.simulate`` accept)."""
     from .policies import Policy  # local import: keeps config importable on its own
 
     if isinstance(policy, Policy):
+        cls = type(policy)
+        if cls.victim is Policy.victim and cls.victim_key is Policy.victim_key:
+            raise HeteroConfigError(
+                f"{name}={cls.__name__}() defines neither victim() nor victim_key(), so it cannot "
+                "choose which block leaves a full tier; expected a hetero.Policy subclass that "
+                "overrides one of them (or a subclass of a built-in, e.g. hetero.policies.LRU)")
         return policy
     if isinstance(policy, str) and policy in POLICIES:
         return policy
-    raise HeteroConfigError(f"policy={policy!r} is not accepted; expected one of "
+    hint = ""
+    if isinstance(policy, type) and issubclass(policy, Policy):
+        hint = f" ({policy.__name__} is a class: pass an instance, {policy.__name__}())"
+    raise HeteroConfigError(f"{name}={policy!r} is not accepted{hint}; expected one of "
                             f"{', '.join(repr(p) for p in POLICIES)} or a hetero.Policy instance")
+
+
+def parse_prefetch(prefetch: Any, name: str = "prefetch") -> int:
+    """Units fetched ahead of use: an int >= 0."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise HeteroConfigError(f"{name}={prefetch!r} is not accepted; expected an int >= 0 "
+                                "(0 disables prefetch)")
+    return prefetch
 
 
 def _parse_sharding(strategy: Any) -> ShardingStrategy:
@@ -276,9 +295,12 @@ def resolve(
         raise HeteroConfigError(f"nvme_budget={nvme_budget!r} was given without nvme_path; pass "
                                 "nvme_path=DIR to enable the NVMe tier, or leave nvme_budget=None")
     chunk = parse_size(chunk_size, "chunk_size", allow_none=False)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise HeteroConfigError(f"prefetch={prefetch!r} is not accepted; expected an int >= 0 "
-                                "(0 disables prefetch)")
+    parse_prefetch(prefetch)
+    policy = parse_policy(policy)
+    if not isinstance(policy, str):
+        from .policies import check_free
+
+        check_free(policy)
     _check_callable(param_init_fn, "param_init_fn",
                     "a callable(module) that initializes a meta-device module in place, or None")
     return Config(
@@ -289,7 +311,7 @@ def resolve(
         nvme_path=path,
         nvme_budget=0 if path is None else
         (nvme if nvme is not None else int(_free_space_under(path) * NVME_DEFAULT_FRACTION)),
-        policy=_parse_policy(policy),
+        policy=policy,
         chunk_size=chunk,
         prefetch=prefetch,
         auto_wrap_policy=_parse_auto_wrap_policy(auto_wrap_policy),

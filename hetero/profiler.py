@@ -6,7 +6,9 @@ import copy
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from .config import format_size
+from .config import SizeLike, format_size, parse_policy, parse_prefetch, parse_size
+from .errors import HeteroConfigError, HeteroStateError
+from .policies import Policy, report_name, starting_copy
 from .tiers import TIER_ORDER
 from .tracker import Access, Move
 
@@ -57,7 +59,7 @@ class Report:
                    "hotness": hotness.get(b.id, 0) / steps} for b in rt.blocks()]
         follow = getattr(rt.policy, "follow", [])
         summary = {
-            "policy": rt.policy.name,
+            "policy": report_name(rt.policy),
             "steps": tr.step,
             "stall_seconds": tr.stall_seconds,
             # of which waiting for deferred optimizer updates (the rest: for transfers)
@@ -81,57 +83,66 @@ class Report:
                    list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
                    state.policy_start, rt.nvme_files, list(tr.computes), tr.first_step)
 
-    def capacities(self, **budgets: Optional[int]) -> dict[str, int]:
-        """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced."""
+    def capacities(self, **budgets: SizeLike) -> dict[str, int]:
+        """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced (sizes
+        as ``hetero.wrap``'s budgets take them: HeteroConfigError naming the argument otherwise)."""
         caps = {n: t["capacity"] for n, t in self._summary["tiers"].items()}
-        caps.update({k: v for k, v in budgets.items() if v is not None})
+        caps.update({k: parse_size(v, k) for k, v in budgets.items() if v is not None})
         return caps
 
-    def simulate(self, policy: Any = None, *, device: Optional[int] = None, host: Optional[int] = None,
-                 nvme: Optional[int] = None, prefetch: Optional[int] = None) -> "SimResult":
-        """Replay this run's event log under another policy and/or budgets (bytes), without
-        tensors. With no arguments the result reproduces the run (a policy instance passed here is
-        used as given, state included)."""
-        from .errors import HeteroConfigError
-        from .policies import POLICIES, Policy
+    def simulate(self, policy: Any = None, *, device: SizeLike = None, host: SizeLike = None,
+                 nvme: SizeLike = None, prefetch: Any = None) -> "SimResult":
+        """Replay this run's event log under another policy and/or budgets, without tensors.
+        With no arguments the result reproduces the run. Arguments are checked as ``hetero.wrap``
+        checks its own (``policy``, budgets as sizes, ``prefetch``; HeteroConfigError). A policy
+        instance passed here is replayed from a copy of it as it is now (the run's own live
+        policy included: the run goes on unaffected); one that cannot be copied (it holds a
+        lock) is used as given, which the live policy of an open model cannot be."""
         from .simulator import replay
 
         self._check_whole_log()
         if policy is None:
-            start = self._summary["policy"] if self._policy is _UNKNOWN else self._policy
-            if start is None or (isinstance(start, str) and start not in POLICIES):
-                raise HeteroConfigError(
-                    f"this run's policy {self._summary['policy']!r} is an instance that could not be "
-                    "copied for a replay (it holds something deepcopy refuses); pass policy= a fresh "
-                    "instance to simulate()")
-            # every replay starts where the run started
-            policy = copy.deepcopy(start) if isinstance(start, Policy) else start
-        return replay(self.events, self.catalog, policy,
-                      self.capacities(device=device, host=host, nvme=nvme), self.slot_size,
-                      self.prefetch if prefetch is None else prefetch, self.host_slots,
+            policy = self._start()
+        elif isinstance(parse_policy(policy), Policy):
+            copied = starting_copy(policy)  # (a replay points the policy at its own blocks)
+            policy = policy if copied is None else copied
+        caps = self.capacities(device=device, host=host, nvme=nvme)
+        return replay(self.events, self.catalog, policy, caps, self.slot_size,
+                      self.prefetch if prefetch is None else parse_prefetch(prefetch), self.host_slots,
                       self.nvme_files if nvme is None else None)  # (another budget: one pool)
+
+    def _start(self) -> "str | Policy":
+        """What a replay of the run starts from: its policy as the run started (every replay
+        starts where the run started)."""
+        start = self._summary["policy"] if self._policy is _UNKNOWN else self._policy
+        if start is None:
+            raise HeteroConfigError(
+                f"this run's policy {self._summary['policy']!r} is an instance that could not be "
+                "copied for a replay (it holds something deepcopy refuses); pass policy= a fresh "
+                "instance to simulate()")
+        return copy.deepcopy(start) if isinstance(start, Policy) else start
 
     def _check_whole_log(self) -> None:
         """A replay (or a bound) needs the event log from the first step."""
         if self.log_first_step:
-            from .errors import HeteroStateError
-
             raise HeteroStateError(
                 f"this run's logs hold steps {self.log_first_step} on only (hetero.wrap's log_steps), "
                 "and a replay needs every step from the first; expected a run wrapped with "
                 "log_steps=None")
 
-    def belady_bound(self, device: Optional[int] = None) -> int:
-        """Belady's minimum of bytes fetched onto the device for this run's accesses."""
+    def belady_bound(self, device: SizeLike = None) -> int:
+        """Belady's minimum of bytes fetched onto the device for this run's accesses (``device``:
+        another device budget, a size as ``simulate`` takes it)."""
         from .simulator import belady_bound
 
         self._check_whole_log()
         return belady_bound(self.events, self.catalog, self.capacities(device=device)["device"])
 
-    def coresident_bound(self, device: Optional[int] = None) -> int:
+    def coresident_bound(self, device: SizeLike = None) -> int:
         """Belady's minimum for this run's accesses with the constraints every placement obeys
         (an acquire's blocks are on the device together; data starts on the device only where
-        it is created): tighter than :meth:`belady_bound`, still a lower bound."""
+        it is created): tighter than :meth:`belady_bound`, still a lower bound (``device`` as
+        there)."""
         from .simulator import coresident_bound
 
         self._check_whole_log()

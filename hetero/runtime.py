@@ -36,7 +36,8 @@ first, so every block again has valid copies where the runtime says (see :meth:`
 shadow in host memory moves to NVMe when the host needs the room), so a whole optimizer step can
 be rolled back (see :mod:`hetero.optim.adam`).
 
-Decisions come from a pure :class:`~hetero.policies.Policy`; bytes are moved by a storage object
+Decisions come from a pure :class:`~hetero.policies.Policy` (a custom one's answers checked before
+they are acted on: :mod:`hetero.policycheck`); bytes are moved by a storage object
 (:class:`TierStorage` for real, :class:`~hetero.simulator.SimStorage` in the simulator). Every call
 is recorded in the tracker's event log, which the simulator replays.
 """
@@ -56,6 +57,7 @@ from .chunks import EXP_AVG, Block, Chunk
 from .config import Config, exact_size, raise_budget_advice
 from .errors import HeteroIOError, HeteroOOMError, HeteroStateError
 from .policies import BlockInfo, Policy
+from .policycheck import hooks, policy_error
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SlotPool, SwapSpace, Tier, TierStorage,
                     is_small, slot_cost, slot_size_for, slots_for)
 from .tracker import Tracker
@@ -87,6 +89,7 @@ class Runtime:
         self.host_slots = host_slots
         self.nvme_files = nvme_files
         self.policy = policy
+        self._ask = hooks(policy)  # the hooks whose answers it acts on (a custom policy's checked)
         self._victims = Victims(policy)
         self._sizes: dict[str, int] = {}
         self._kinds: dict[str, str] = {}
@@ -199,9 +202,11 @@ class Runtime:
         self._chunks[block.id] = block.chunk_id
         self.tracker.event("create", block.id, block.kind, block.nbytes, tier, init is None)
         if tier is None:
-            tier = self.policy.home(self._info(block), self.free_bytes(),
-                                    {n: t.capacity for n, t in self.tiers.items()})
+            tier = self._ask.home(self._info(block), self.free_bytes(),
+                                  {n: t.capacity for n, t in self.tiers.items()})
             self._victims.invalidate()  # a home may change keys (opt: a chunk made resident)
+        if tier == NVME and NVME not in self.tiers:
+            tier = HOST  # no NVMe tier: as where NVMe has no room (see Policy.home)
         if tier == NVME and init is None and self._create_zero_on_nvme(block):
             return
         first = HOST if tier == NVME else tier  # NVMe is written from a host slot
@@ -417,12 +422,31 @@ class Runtime:
             block.pins.clear()
 
     def end_step(self) -> None:
+        """A training step is complete: the runtime's own bookkeeping first, then the policy
+        hears of it (:meth:`Policy.end_step`). Where the policy raises, the step still counts,
+        and the error (:meth:`_after_step`) says so."""
         self.tracker.event("end_step")
-        self.policy.end_step(self.tracker.step)
+        step = self.tracker.step
         self._staged.clear()
-        self._victims.invalidate()
         self.tracker.next_step()
+        self._after_step("end_step", self.policy.end_step, step)
+        self._victims.invalidate()
         self._pump()
+
+    def _after_step(self, hook: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``: policy hook ``hook``, asked after an optimizer step was applied in
+        full. Where it raises, the error says so (a HeteroStateError chained from the policy's),
+        since running that step again would apply it twice."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            self._victims.reset()  # the policy may have changed keys half-way
+            what = str(exc) if isinstance(exc, HeteroStateError) else str(
+                policy_error(self.policy, hook, f"raised {type(exc).__name__}: {exc}"))
+            raise HeteroStateError(
+                f"{what}. The optimizer step had been applied in full before the policy was asked "
+                "(every parameter, optimizer state and step count is updated, and the step is "
+                "counted): do not run that step again; fix the policy to go on training") from exc
 
     def drain(self, stall: bool = False) -> None:
         """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it;
@@ -625,11 +649,11 @@ class Runtime:
             if not self._fetchable(block, DEVICE):  # (also: not discarded, not on the device yet)
                 continue
             info = self._info(block)
-            if self.policy.settle(info, capacity) != DEVICE:
+            if self._after_step("settle", self._ask.settle, info, capacity) != DEVICE:
                 continue
             if not self._prefetch_one(block, DEVICE, math.inf):
                 return  # no free room: the blocks after it would not find any either
-            self.policy.settled(info, DEVICE)
+            self._after_step("settled", self.policy.settled, info, DEVICE)
             self._victims.invalidate()  # predicted uses on the device may have changed
 
     def set_prefetching(self, on: bool) -> None:
@@ -787,7 +811,7 @@ class Runtime:
         within its device budget): the tiers below hold nothing then."""
         if self.prefetch_depth <= 0 or not any(self.tiers[t].used for t in self._below[DEVICE]):
             return
-        ahead = self.policy.upcoming(2 * self.prefetch_depth)
+        ahead = self._ask.upcoming(2 * self.prefetch_depth)
         near = None  # how many of them the next ``prefetch`` acquires make up (asked when needed)
         made = 0  # device bytes freed for blocks the next acquires create: later fetches leave them
         for i, (block_id, tier) in enumerate(ahead):
@@ -800,10 +824,10 @@ class Runtime:
             if not creating and not self._fetchable(block, tier):
                 continue
             if near is None:
-                near = len(self.policy.upcoming(self.prefetch_depth))
+                near = len(self._ask.upcoming(self.prefetch_depth))
             if creating:
                 if i < near:
-                    if not self._make_room_ahead(block, self.policy.next_use(block_id, tier), made):
+                    if not self._make_room_ahead(block, self._ask.next_use(block_id, tier), made):
                         break
                     made += block.nbytes
                 continue
@@ -812,7 +836,7 @@ class Runtime:
                 continue
             if target == DEVICE and block.chunk_id in self._postponed:
                 continue  # the chunk's postponed work runs first, and rewrites it elsewhere
-            horizon = self.policy.next_use(block_id, tier)
+            horizon = self._ask.next_use(block_id, tier)
             if not self._prefetch_one(block, target, horizon, keep=made):
                 break
         self._keep_host_headroom(len(ahead))
@@ -899,7 +923,7 @@ class Runtime:
         if host.free >= need:
             return
         later = lambda b: (DEVICE not in b.tiers and b not in self._staged  # noqa: E731
-                           and self._evictable(b, HOST, set()) and self.policy.next_use(b.id, HOST) > horizon)
+                           and self._evictable(b, HOST, set()) and self._ask.next_use(b.id, HOST) > horizon)
         self._speculate(lambda: self._evict_until(HOST, need, later, self.HEADROOM_SCAN))
 
     def _make_room(self, block: Block, tier: str, horizon: float, keep: int = 0) -> bool:
@@ -907,7 +931,7 @@ class Runtime:
         evicting only blocks needed after ``horizon``: bytes of its budget, then (below the
         device) a free run of slots or units in which the placement cannot fail, so that the
         placement itself evicts nothing."""
-        later = lambda b: self._evictable(b, tier, {block}) and self.policy.next_use(b.id, tier) > horizon  # noqa: E731
+        later = lambda b: self._evictable(b, tier, {block}) and self._ask.next_use(b.id, tier) > horizon  # noqa: E731
         if not self._evict_until(tier, self._size_on(tier, block) + keep, later):
             return False
         return tier == DEVICE or self._make_run(block, tier, later)

@@ -169,9 +169,11 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     ``capacities`` ({"device": bytes, "host": bytes, "nvme": bytes}); ``catalog`` maps block
     ids to ``(kind, nbytes)``; ``host_slots`` caps the host arena's slots as the run's model
     state did (``Report.host_slots``), and ``nvme_files`` carves the NVMe tier into the run's
-    swap files (``Report.nvme_files``; None: one pool of the NVMe budget). ``policy`` is a name
-    or an instance, used as given (state and all: pass a fresh one). With the run's own policy
-    and budgets the result is the run's."""
+    swap files (``Report.nvme_files``; None: one pool of the NVMe budget). ``policy`` is a
+    built-in's name or an instance, used as given (state and all: pass a fresh one; not the
+    live policy of an open wrapped model, which the replay would take over: HeteroConfigError,
+    as for a name that is not a built-in's, such as a custom policy's in an event log's
+    header). With the run's own policy and budgets the result is the run's."""
     files = list(nvme_files) if nvme_files is not None else None
     rt = Runtime(dict(capacities), slot_size, make_policy(policy),
                  SimStorage(capacities, slot_size, host_slots, files), prefetch, host_slots, files)

@@ -15,10 +15,11 @@ answer is always the same as asking ``victim`` over the same candidates; only th
 from __future__ import annotations
 
 import bisect
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, Optional
 
 from .chunks import Block
 from .policies.base import BlockInfo, Policy
+from .policycheck import bad_answer, policy_error, trusted
 
 
 def _owner(cls: type, name: str) -> type:
@@ -55,6 +56,7 @@ class Victims:
         self._keyed = cls.victim is Policy.victim
         # The policy's list of changed keys is trusted only from the class that defines the key.
         self._named = _owner(cls, "changed_keys") is _owner(cls, "victim_key")
+        self._trusted = trusted(policy)  # (see hetero.policycheck)
         self._ranked: dict[str, _Ranked] = {}
 
     def invalidate(self) -> None:
@@ -64,11 +66,19 @@ class Victims:
         if ids is None:
             self._ranked.clear()
             return
+        if not self._trusted and (isinstance(ids, str) or not isinstance(ids, Collection)):
+            self._ranked.clear()
+            raise bad_answer(self.policy, "changed_keys", ids, "a collection of block ids, or None")
         for r in self._ranked.values():
             for i in ids:
                 entry = r.entries.get(i)
                 if entry is not None:
                     r.stale.add(entry[1])
+
+    def reset(self) -> None:
+        """Forget every ranking: a policy hook failed half-way, so keys may have changed that
+        the policy cannot name."""
+        self._ranked.clear()
 
     def changed(self, block: Block) -> None:
         """``block`` gained or lost a copy: weigh it again on every tier (or leave it out)."""
@@ -82,24 +92,10 @@ class Victims:
         (eligible or not; a policy without a ranking key has every candidate weighed anyway)."""
         key = self.policy.victim_key(tier) if self._keyed else None
         if key is None:
-            candidates = [info(b) for b in blocks if eligible(b)]
-            if not candidates:
-                return None
-            chosen = self.policy.victim(tier, candidates).id
-            return next(b for b in blocks if b.id == chosen)
-        # Ties go to the largest id, as in Policy.victim: the answer never depends on the order
-        # blocks are listed or stored in.
-        rank = lambda b: (key(info(b)), b.id)  # noqa: E731
-        r = self._ranked.get(tier)
-        if r is not None and 2 * len(r.stale) > len(r.entries):  # cheaper to sort afresh
-            r = None
-        if r is None:
-            r = self._ranked[tier] = _Ranked([(rank(b), b) for b in blocks])
-        for b in r.stale:
-            r.remove(b)
-            if tier in b.tiers:
-                r.insert(rank(b), b)
-        r.stale.clear()
+            return self._asked(tier, blocks, info, eligible)
+        if not self._trusted and not callable(key):
+            raise bad_answer(self.policy, "victim_key", key, "a callable(BlockInfo) -> key, or None")
+        r = self._ranking(tier, key, blocks, info)
         entries = r.entries
         last = -1 if within is None else max(-1, len(r.ranks) - 1 - within)
         for i in range(len(r.ranks) - 1, last, -1):
@@ -107,3 +103,51 @@ class Victims:
             if eligible(b):
                 return b
         return None
+
+    def _asked(self, tier: str, blocks: Iterable[Block], info: Callable[[Block], BlockInfo],
+               eligible: Callable[[Block], bool]) -> Optional[Block]:
+        """The victim the policy's victim() names among the eligible blocks. Only those are
+        offered, and only one of them may go: a block named otherwise may be in use (pinned),
+        and evicting it would free memory that compute still reads."""
+        offered = [b for b in blocks if eligible(b)]
+        if not offered:
+            return None
+        candidates = [info(b) for b in offered]
+        chosen = self.policy.victim(tier, candidates)
+        chosen_id = chosen.id if isinstance(chosen, BlockInfo) else None
+        for b in offered:
+            if b.id == chosen_id:
+                return b
+        raise bad_answer(self.policy, "victim", chosen,
+                         f"one of the {len(candidates)} candidates it was offered to leave the {tier} "
+                         "tier (a BlockInfo from candidates: only they are not in use)")
+
+    def _ranking(self, tier: str, key: Callable[[BlockInfo], Any], blocks: Iterable[Block],
+                 info: Callable[[Block], BlockInfo]) -> _Ranked:
+        """The tier's blocks sorted by the policy's key, re-weighing those whose key may have
+        changed. Where that fails (the policy's key raised, or gave keys that do not compare),
+        the tier's ranking is dropped, half re-sorted as it may be: it is sorted afresh next time."""
+        # Ties go to the largest id, as in Policy.victim: the answer never depends on the order
+        # blocks are listed or stored in.
+        rank = lambda b: (key(info(b)), b.id)  # noqa: E731
+        try:
+            r = self._ranked.get(tier)
+            if r is not None and 2 * len(r.stale) > len(r.entries):  # cheaper to sort afresh
+                r = None
+            if r is None:
+                r = self._ranked[tier] = _Ranked([(rank(b), b) for b in blocks])
+            for b in r.stale:
+                r.remove(b)
+                if tier in b.tiers:
+                    r.insert(rank(b), b)
+            r.stale.clear()
+            return r
+        except TypeError as exc:  # keys that do not compare: None among numbers
+            self._ranked.pop(tier, None)
+            raise policy_error(self.policy, "victim_key", f"ranked the {tier} tier with keys that could "
+                               f"not be computed or compared (TypeError: {exc}); expected keys of one "
+                               "type that compare with each other for every block (numbers, or tuples "
+                               "of them)") from exc
+        except BaseException:
+            self._ranked.pop(tier, None)
+            raise

@@ -24,7 +24,7 @@ from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, exact_size, format_size, raise_budget_advice
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
-from .policies import make_policy, starting_copy
+from .policies import claim, make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
 from .tiers import DEVICE, slot_size_for, slots_for
 from .units import (Call, Unit, default_auto_wrap_policy, fsdp_policy, register_hooks, select_units, unit_blocks,
@@ -730,6 +730,7 @@ def wrap(
     # Nothing has moved so far; from here on the runtime places the state.
     policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run
     runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
+    claim(runtime.policy, runtime)  # (until close: no other model may run the same instance)
     runtime.tracker.keep_steps = cfg.log_steps
     original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
     on_meta = [s.param for c in chunks for s in c.slots if s.param.is_meta]

@@ -40,8 +40,28 @@ class BlockInfo:
 
 
 class Policy:
-    """Base class of placement policies (subclass it to pass an instance as ``policy=``)."""
+    """Base class of placement policies (subclass it to pass an instance as ``policy=``).
 
+    A subclass must override :meth:`victim` or :meth:`victim_key` (``wrap`` refuses one that
+    overrides neither). An instance passed to ``wrap`` is that model's live policy, used as
+    given, not copied (so the caller can watch what it learns): ``wrap`` refuses an instance
+    that another open model runs (until that model's ``close()``), since each runtime points the
+    policy's tables at its own blocks. ``Report.simulate`` replays a copy of an instance.
+
+    The answers of a class other than hetero's own (a subclass of a built-in included) are
+    checked before the runtime acts on them (:mod:`hetero.policycheck`): an answer outside
+    what each hook documents raises :class:`~hetero.errors.HeteroStateError` naming the policy,
+    the hook and what was expected. A hook that raises after an optimizer step was applied
+    (:meth:`end_step`, :meth:`settle`, :meth:`settled`) makes ``step()`` raise a
+    HeteroStateError, chained from it, that says the step was applied and must not be run
+    again.
+
+    Reports and event logs name the policy by :attr:`name` where a class sets its own; a class
+    that does not, or sets a built-in's name, is reported by its class name, and a replay by
+    a name that is not a built-in's asks for an instance.
+    """
+
+    #: the policy's name in reports (a built-in's, or one a custom class gives itself)
     name = "base"
 
     #: bytes of every block the runtime has created, by id (the runtime sets and updates it)
@@ -61,7 +81,8 @@ class Policy:
         """Training step ``step`` is complete."""
 
     def victim(self, tier: str, candidates: Sequence[BlockInfo]) -> BlockInfo:
-        """The block to evict from ``tier``; ``candidates`` is non-empty and all are unpinned.
+        """The block to evict from ``tier``: one of ``candidates`` (non-empty, all unpinned;
+        any other answer raises HeteroStateError, since a block not offered may be in use).
         Default: the candidate with the largest :meth:`victim_key` (then the largest id)."""
         key = self.victim_key(tier)
         if key is None:
@@ -70,7 +91,7 @@ class Policy:
 
     def victim_key(self, tier: str) -> Optional[Callable[[BlockInfo], Any]]:
         """A ranking of blocks on ``tier`` as victims (largest first; ties go to the largest id),
-        or None.
+        or None. Keys of all blocks must compare with each other (numbers, or tuples of them).
         Keys may change only in :meth:`observe`, :meth:`end_step`, :meth:`settled` and
         :meth:`home`: in between, the runtime keeps each tier sorted and evicts down the list
         (:mod:`hetero.victims`) instead of weighing every block for every eviction. Used only
@@ -88,7 +109,11 @@ class Policy:
         return None
 
     def home(self, block: BlockInfo, free: Mapping[str, int], capacity: Mapping[str, int]) -> str:
-        """Tier on which a new block starts. Default: the fastest tier with room, else host."""
+        """Tier on which a new block starts: ``"device"``, ``"host"`` or ``"nvme"`` (anything
+        else raises HeteroStateError). A tier without room gets it the usual way (evictions), or
+        the block starts on another tier with room; ``"nvme"`` in a run without an NVMe tier
+        (``nvme_path=None``) is treated as NVMe without room: the block starts on the host.
+        Default: the fastest tier with room, else host."""
         for tier in TIER_ORDER:
             if free.get(tier, 0) >= block.nbytes:
                 return tier
@@ -96,7 +121,8 @@ class Policy:
 
     def settle(self, block: BlockInfo, capacity: Mapping[str, int]) -> Optional[str]:
         """The tier an existing block below the device should move up to now, or None (the
-        default) to leave it: asked after each step for optimizer states, whose best home may
+        default) to leave it (only ``"device"`` moves it; another tier name leaves it too, and
+        anything else raises): asked after each step for optimizer states, whose best home may
         be known only once a step has shown what else the device must hold. Called in turn for
         each block offered, each answer followed by :meth:`settled` if the move could be made."""
         return None
@@ -107,11 +133,14 @@ class Policy:
         room its answers take counts only the moves made."""
 
     def next_use(self, block_id: str, tier: str) -> float:
-        """Predicted accesses until ``block_id`` is next needed on ``tier`` (inf: not expected)."""
+        """Predicted accesses until ``block_id`` is next needed on ``tier`` (inf: not expected): a
+        real number, not NaN."""
         return math.inf
 
     def upcoming(self, groups: int) -> list[tuple[str, str]]:
-        """``(block, tier)`` of the next ``groups`` expected acquires, in order ([] if unknown)."""
+        """``(block, tier)`` of the next ``groups`` expected acquires, in order ([] if unknown):
+        a list of pairs of a block id and a tier name. Ids of blocks not created (yet) are
+        skipped."""
         return []
 
 
