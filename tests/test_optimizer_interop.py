@@ -186,3 +186,12 @@ def test_optimizer_load_with_nvme_is_all_or_nothing(tmp_path, after: int) -> Non
     assert_same_state(before, snapshot(wrapped, opt))
     opt.load_state_dict(saved)
     assert float(opt.state_dict()["state"][0]["step"]) == 2
+
+
+def test_step_after_close_raises_even_without_gradients(tight: dict) -> None:
+    wrapped = hetero.wrap(make(), **tight)
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    train(wrapped, opt, batches(1))
+    wrapped.close()
+    with pytest.raises(hetero.HeteroStateError, match="closed"):
+        opt.step()

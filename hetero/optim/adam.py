@@ -268,6 +268,8 @@ class Adam(torch.optim.Optimizer):
         count and propagates from ``step()``. Only once the transaction has committed are the
         chunks already in place updated, with no transfer that could fail.
         """
+        if self._state is not None:
+            self._state.runtime.check_open()  # (even with no gradient to apply)
         loss = None
         if closure is not None:
             with torch.enable_grad():
