@@ -56,6 +56,7 @@ import torch
 from .chunks import EXP_AVG, Block, Chunk
 from .config import Config, exact_size, raise_budget_advice
 from .errors import HeteroIOError, HeteroOOMError, HeteroStateError
+from .interrupts import critical
 from .policies import BlockInfo, Policy
 from .policycheck import hooks, policy_error
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SlotPool, SwapSpace, Tier, TierStorage,
@@ -256,6 +257,7 @@ class Runtime:
         self._issue(block, None, NVME, None, self.storage.loc(block, NVME), freed_src=False, prefetch=False)
         return True
 
+    @critical
     def acquire(self, blocks: Sequence[Block], tier: str = DEVICE, write: bool = False,
                 record: bool = True, changed: bool = False) -> None:
         """Pin valid copies of ``blocks`` on ``tier``, creating (zero-filled), fetching and
@@ -324,6 +326,7 @@ class Runtime:
             if self.prefetching:
                 self._prefetch()
 
+    @critical
     def release(self, blocks: Sequence[Block], tier: str = DEVICE) -> None:
         self.tracker.event("release", tuple(b.id for b in blocks), tier)
         for block in blocks:
@@ -332,6 +335,7 @@ class Runtime:
             block.pins[tier] = n - 1
         self._pump(raising=False)  # start the next stage of a multi-stage prefetch now
 
+    @critical
     def read(self, block: Block) -> torch.Tensor:
         """A CPU copy of ``block``'s data, wherever it lives (not recorded as a compute access)."""
         tier = self.working_tier(block)
@@ -341,6 +345,7 @@ class Runtime:
         finally:
             self.release([block], tier)
 
+    @critical
     def write_all(self, groups: Iterable[Sequence[tuple[Block, torch.Tensor]]],
                   kept: Optional[set[str]] = None) -> None:
         """Overwrite blocks with new values, all or nothing: inside a :meth:`transaction`, each
@@ -448,6 +453,7 @@ class Runtime:
                 "(every parameter, optimizer state and step count is updated, and the step is "
                 "counted): do not run that step again; fix the policy to go on training") from exc
 
+    @critical
     def drain(self, stall: bool = False) -> None:
         """Wait for every transfer issued so far (HeteroIOError if one failed, after undoing it;
         one a release already undid raises first, with what was issued since maybe still in
@@ -465,6 +471,7 @@ class Runtime:
                                    "longer be read, moved or trained; expected no use of the model "
                                    "or its optimizer after close() (wrap the module again instead)")
 
+    @critical
     def close(self) -> None:
         """Drain, drop what is still postponed and remove the swap files; every later use of
         the model's state raises HeteroStateError. Idempotent."""
@@ -536,6 +543,7 @@ class Runtime:
     def postponed(self, chunk_id: str) -> bool:
         return chunk_id in self._postponed
 
+    @critical
     def catch_up(self, chunk_ids: Optional[set[str]] = None) -> None:
         """Run the postponed work of ``chunk_ids`` (None: all of it), oldest first. One that
         raises stays postponed, and the error propagates."""

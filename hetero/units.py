@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .chunks import PARAM, Block
+from .interrupts import critical
 
 if TYPE_CHECKING:  # pragma: no cover
     from .wrap import HeteroState
@@ -221,6 +222,7 @@ class _BackwardHook(torch.autograd.Function):
         return out if len(out) > 1 else out[0]
 
     @staticmethod
+    @critical
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         state = ctx.state()
         if state is not None:
@@ -238,6 +240,7 @@ def _hook_backward(state: StateRef, method: str, call: Call, tree: Any, into_dat
 
 
 def register_hooks(state_ref: StateRef, unit: Unit) -> None:
+    @critical
     def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         state = state_ref()
         if state is None:
@@ -250,6 +253,7 @@ def register_hooks(state_ref: StateRef, unit: Unit) -> None:
             call.inputs_hooked = hooked is not inputs
         return args, kwargs
 
+    @critical
     def post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
         state = state_ref()
         call = unit.calls.pop()

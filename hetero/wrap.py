@@ -24,6 +24,7 @@ from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, exact_size, format_size, raise_budget_advice
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
+from .interrupts import critical, install as install_interrupts
 from .policies import claim, make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
 from .tiers import DEVICE, slot_size_for, slots_for
@@ -44,6 +45,7 @@ def state_of(param: torch.Tensor) -> Optional["HeteroState"]:
     return ref() if ref is not None else None
 
 
+@critical
 def _call_if_alive(ref: "weakref.ref[HeteroState]", method: str, *args: Any) -> None:
     state = ref()
     if state is not None:
@@ -74,6 +76,7 @@ class HeteroState:
 
     # --------------------------------------------------------------- hooks (see hetero.units)
 
+    @critical
     def pre_forward(self, unit: Unit) -> Call:
         if torch._C._current_graph_task_id() == -1:  # a real forward
             self.runtime.acquire(unit.param_blocks)
@@ -91,6 +94,7 @@ class HeteroState:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "_end_recompute", call))
         return call
 
+    @critical
     def post_forward(self, call: Call) -> None:
         if call.forward_start:
             self.runtime.tracker.compute(call.unit.name, "recompute" if call.recompute else "forward",
@@ -114,12 +118,14 @@ class HeteroState:
             self.runtime.acquire(changed, DEVICE, write=True, record=False, changed=True)
             self.runtime.release(changed, DEVICE)
 
+    @critical
     def _end_recompute(self, call: Call) -> None:
         call.forward_start = 0.0  # (its span ended with the unit's backward, or is unknown)
         self.post_forward(call)
         if call in call.unit.calls:
             call.unit.calls.remove(call)
 
+    @critical
     def pre_backward(self, call: Call) -> None:
         if call.pinned:
             return
@@ -137,6 +143,7 @@ class HeteroState:
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "post_backward", call))
 
+    @critical
     def post_backward(self, call: Call) -> None:
         self.release_grad_pin()
         self._end_backward(call)
@@ -154,6 +161,7 @@ class HeteroState:
             call.pinned = False
             call.unit.backward_pins -= 1
 
+    @critical
     def accumulate_grad(self, param: nn.Parameter) -> None:
         """Move ``param.grad`` into its chunk's grad block (post-accumulate-grad hook).
 
@@ -195,6 +203,7 @@ class HeteroState:
     def end_step(self) -> None:
         self.runtime.end_step()
 
+    @critical
     def zero_grad(self, params: Optional[set[int]], set_to_none: bool) -> None:
         """Clear the gradients of the parameters whose ids are in ``params`` (None: all), in
         their grad blocks (``param.grad`` stays None: the blocks hold the gradients)."""
@@ -225,6 +234,7 @@ class HeteroState:
             finally:
                 self.runtime.release([block], tier)
 
+    @critical
     def drop_stale_pins(self) -> None:
         """Nothing is pinned between passes: pins found outside forward and backward were left by
         a pass that raised half-way (its release hooks and end-of-backward callbacks never ran).
@@ -236,6 +246,7 @@ class HeteroState:
             log.warning("hetero: dropping pins left by an interrupted forward or backward pass")
             self.forward_failed()
 
+    @critical
     def forward_failed(self) -> None:
         """Undo the pins of a forward that raised half-way, so training can go on."""
         self.runtime.unpin_all()
@@ -364,6 +375,7 @@ class HeteroModule(nn.Module):
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
+    @critical
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The full state dict: original keys, CPU tensors, parameters in full precision and
         buffers in the dtypes they had before ``mixed_precision``'s ``buffer_dtype`` (as FSDP's
@@ -375,6 +387,7 @@ class HeteroModule(nn.Module):
             return {k: v.detach().to("cpu", dtype=dtypes.get(k[len(prefix):], v.dtype), copy=True)
                     for k, v in sd.items()}
 
+    @critical
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         if assign:
             raise HeteroConfigError("load_state_dict(assign=True) is not supported by hetero; "
@@ -467,6 +480,7 @@ class HeteroModule(nn.Module):
         """As ``nn.Module.zero_grad``: the gradients live in hetero's grad blocks."""
         self._hetero_state.zero_grad(None, set_to_none)
 
+    @critical
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients in place wherever they live; returns the total norm (as torch's
         ``clip_grad_norm_`` over this module's parameters)."""
@@ -480,6 +494,7 @@ class HeteroModule(nn.Module):
 
         return Report.from_state(self._hetero_state)
 
+    @critical
     def close(self) -> None:
         """Remove the swap files now (otherwise done when the module is garbage collected)."""
         self._hetero_state.runtime.close()
@@ -731,6 +746,7 @@ def wrap(
     policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run
     runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
     claim(runtime.policy, runtime)  # (until close: no other model may run the same instance)
+    install_interrupts()  # a Ctrl-C inside hetero's calls waits for their end (hetero.interrupts)
     runtime.tracker.keep_steps = cfg.log_steps
     original = {id(p): p.data for c in chunks for s in c.slots for p in [s.param] if not p.is_meta}
     on_meta = [s.param for c in chunks for s in c.slots if s.param.is_meta]
@@ -771,6 +787,7 @@ def wrap(
 
 
 def _grad_hook(ref: "weakref.ref[HeteroState]") -> Callable[[nn.Parameter], None]:
+    @critical
     def hook(param: nn.Parameter) -> None:
         state = ref()
         if state is not None:

@@ -35,6 +35,7 @@ import torch
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import exact_size, format_size, raise_budget_advice
 from ..errors import HeteroConfigError, HeteroOOMError, HeteroStateError
+from ..interrupts import critical
 from ..tiers import DEVICE, HOST, NVME
 from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
 from .queue import AdamQueue
@@ -102,6 +103,7 @@ class Adam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ parameter bookkeeping
 
+    @critical
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, checked first (a group refused is not added). A parameter whose state an
         earlier optimizer left (its steps and moments live in the model's chunks, one state per
@@ -242,6 +244,7 @@ class Adam(torch.optim.Optimizer):
         tier = self._tier_for(chunk)
         return all(tier in b.tiers for b in self._written(chunk) + [chunk.blocks[GRAD]])
 
+    @critical
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One update of every parameter with a gradient.
@@ -491,6 +494,7 @@ class Adam(torch.optim.Optimizer):
         finally:
             rt.release([grad] + writes, tier)
 
+    @critical
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._state is not None:
             self._state.zero_grad(set(self._group_index()), set_to_none)
@@ -502,6 +506,7 @@ class Adam(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         return [(i, *st.slot_of[id(p)]) for i, p in enumerate(params)]
 
+    @critical
     def state_dict(self) -> dict[str, Any]:
         """torch's format (see the module docstring), with torch's state_dict hooks."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
@@ -536,6 +541,7 @@ class Adam(torch.optim.Optimizer):
                 result = out
         return result
 
+    @critical
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``Optimizer.load_state_dict``: every key of the saved groups (a scheduler's
         ``initial_lr`` too), and per parameter its step count and moments; a parameter the
