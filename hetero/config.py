@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Union
 import psutil
 import torch
 
+from . import engine
 from .errors import HeteroConfigError
 
 SizeLike = Union[int, str, None]
@@ -294,6 +295,8 @@ def resolve(
     if nvme is not None and path is None:
         raise HeteroConfigError(f"nvme_budget={nvme_budget!r} was given without nvme_path; pass "
                                 "nvme_path=DIR to enable the NVMe tier, or leave nvme_budget=None")
+    if path is not None:
+        engine.check_environment()  # the HETERO_IO_* settings the swap files will be used with
     chunk = parse_size(chunk_size, "chunk_size", allow_none=False)
     parse_prefetch(prefetch)
     policy = parse_policy(policy)

@@ -5,6 +5,7 @@ Public API::
     SwapIO(num_threads=4, *, backend=None, block_size=None, queue_depth=None, checksum=None,
            autotune=None)
         .open(path, size, *, direct=None, preallocate=True) -> SwapFile
+        .tune(directory, *, max_bytes=None) -> Tuning   settle the tuning now (bounded probe)
         .write(file, offset, tensor)      -> Handle    (queued; returns at once)
         .read(file, offset, tensor)       -> Handle
         .close(file)    .shutdown()    context manager
@@ -12,11 +13,14 @@ Public API::
         .checksum (bool)    .tuning (Tuning | None: what the first open decided)
     SwapFile(path, fd, size, direct)       an open swap file (``direct``: opened with O_DIRECT)
     Handle.wait(timeout=None) -> None      blocks without the GIL; HeteroIOError on failure,
-                                           TimeoutError if ``timeout`` seconds pass first
+                                           TimeoutError if ``timeout`` seconds pass first (inf:
+                                           no limit)
     Handle.done() -> bool
     aligned_empty(nbytes, alignment=4096, pin=False) -> torch.Tensor  (uint8, aligned data_ptr)
     inject_fault(kind, after=0)            test hook: simulated disk faults
-    tune(directory, *, backend="auto", refresh=False) -> Tuning   block size / queue depth probe
+    tune(directory, *, backend="auto", refresh=False, max_bytes=None) -> Tuning
+                                           block size / queue depth probe
+    check_environment()                    HeteroConfigError for a bad HETERO_IO_* value
     Tuning(block_size, queue_depth, source, read_GBps, write_GBps, key)
     tuning_cache_path() -> Path            where probe results are kept
     available_backends() -> list[str]      has_extension() -> bool
@@ -33,6 +37,9 @@ system allows it, to keep swapped state out of the page cache; O_DIRECT transfer
 which ``aligned_empty`` buffers (and the host arena carved from one) satisfy. A short transfer
 (EOF, no progress) is an error, as are disk full, I/O errors and checksum mismatches: all
 surface as :class:`~hetero.errors.HeteroIOError` (an OSError with errno and the file's path).
+A closed SwapFile is refused (its descriptor number goes to the next file opened): ValueError
+from ``read``/``write``, HeteroIOError(EBADF) from ``close``. Invalid settings (arguments or
+``HETERO_IO_*``) are :class:`~hetero.errors.HeteroConfigError` (a ValueError) naming them.
 
 Backends (``backend=`` or ``HETERO_IO_BACKEND``; ``auto`` by default):
 
@@ -49,17 +56,21 @@ Backends (``backend=`` or ``HETERO_IO_BACKEND``; ``auto`` by default):
   whole requests, no splitting.
 
 Tuning: the first ``open`` of a SwapIO whose ``block_size``/``queue_depth`` were not both given
-calls :func:`tune` on the file's directory: a short probe (about a second, a temporary file in
-that directory, removed after) measures read and write throughput of a few block size / queue
-depth pairs and keeps the best; the result is cached per file system (``st_dev`` and mount point)
-in :func:`tuning_cache_path` and reused by later processes. ``HETERO_IO_BLOCK_SIZE`` /
-``HETERO_IO_QUEUE_DEPTH`` override it (arguments override those), and ``HETERO_IO_AUTOTUNE=0``
-skips the probe (1 MiB, 32 unless overridden).
+calls :func:`tune` on the file's directory (``SwapIO.tune`` does it before, bounding the bytes
+the probe may write): a short probe (about a second, a temporary file of at most 64 MiB and half
+the free space in that directory, removed after; skipped below 16 MiB) measures read and write
+throughput of a few block size / queue depth pairs and keeps the best; the result is cached per
+file system (``st_dev`` and mount point) in :func:`tuning_cache_path`, if that is a regular file
+or missing, and reused by later processes; a failed probe is not retried in the process.
+``HETERO_IO_BLOCK_SIZE`` / ``HETERO_IO_QUEUE_DEPTH`` override it (arguments override those), and
+``HETERO_IO_AUTOTUNE=0`` skips the probe (1 MiB, 32 unless overridden).
 
 Checksums (``checksum=True`` or ``HETERO_IO_CHECKSUM=1``, off by default): a CRC32C of every
 sub-request written is kept in memory under (file, offset) and every read verifies the records
 inside it, failing with HeteroIOError(EIO, "checksum mismatch ...") when the disk returned other
-bytes than were written. Costs one pass over the bytes (~8 GB/s per core with SSE4.2).
+bytes than were written. Costs one pass over the bytes (~8 GB/s per core with SSE4.2). The
+python backend keeps zlib's CRC32 instead (no CRC32C without the extension); records live in the
+engine that wrote the bytes and only it verifies them, so the two kinds are never compared.
 """
 
 from __future__ import annotations
@@ -69,7 +80,10 @@ import errno
 import fcntl
 import json
 import logging
+import math
+import numbers
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -83,7 +97,7 @@ from typing import Optional
 
 import torch
 
-from hetero.errors import HeteroIOError
+from hetero.errors import HeteroConfigError, HeteroIOError
 
 from hetero.native import ERROR as EXTENSION_ERROR, _C
 
@@ -163,52 +177,96 @@ def _take_fault() -> str:
 # ------------------------------------------------------------------------------------------------
 # Settings from the environment
 
-def _env_flag(name: str) -> Optional[bool]:
-    value = os.environ.get(name, "").strip().lower()
-    if value == "":
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"environment variable {name}={value!r} is not a boolean; expected 1 or 0")
+_ENV = "environment variable "
+_FLAG_VALUES = "1, true, yes or on (0, false, no or off to turn it off)"
+_BLOCK_SIZES = f"a multiple of {ALIGNMENT} between {ALIGNMENT} and {MAX_BLOCK_SIZE} bytes"
+_QUEUE_DEPTHS = f"an int between 1 and {MAX_QUEUE_DEPTH}"
 
 
-def _env_int(name: str, parse_size: bool = False) -> Optional[int]:
+def _env_value(name: str) -> Optional[str]:
     value = os.environ.get(name, "").strip()
-    if not value:
+    return value or None
+
+
+def _env_flag(name: str) -> Optional[bool]:
+    value = _env_value(name)
+    if value is None:
         return None
-    if parse_size:
-        from hetero.config import parse_size as _parse
-        return _parse(value, f"environment variable {name}", allow_none=False)
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise HeteroConfigError(f"{_ENV}{name}={value!r} is not accepted; expected {_FLAG_VALUES}")
+
+
+def _env_block_size() -> Optional[int]:
+    value = _env_value("HETERO_IO_BLOCK_SIZE")
+    if value is None:
+        return None
+    from hetero.config import parse_size
     try:
-        return int(value)
+        nbytes = parse_size(value, f"{_ENV}HETERO_IO_BLOCK_SIZE", allow_none=False)
+        _check_block_size(nbytes, "")
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+        raise HeteroConfigError(f"{_ENV}HETERO_IO_BLOCK_SIZE={value!r} is not accepted; expected "
+                                f"{_BLOCK_SIZES} (a size such as 256KiB or 1MiB)") from None
+    return nbytes
+
+
+def _env_queue_depth() -> Optional[int]:
+    value = _env_value("HETERO_IO_QUEUE_DEPTH")
+    if value is None:
+        return None
+    try:
+        depth = int(value)
+        _check_queue_depth(depth, "")
+    except ValueError:
+        raise HeteroConfigError(f"{_ENV}HETERO_IO_QUEUE_DEPTH={value!r} is not accepted; expected "
+                                f"{_QUEUE_DEPTHS}") from None
+    return depth
+
+
+def check_environment() -> None:
+    """Raise HeteroConfigError, naming the variable, its value and what is accepted, for any
+    invalid ``HETERO_IO_*`` setting a SwapIO would read: ``wrap`` calls it with an NVMe tier,
+    before anything moves, rather than failing once it has started making swap files."""
+    _resolve_backend(None)
+    _env_block_size()
+    _env_queue_depth()
+    _env_flag("HETERO_IO_CHECKSUM")
+    _env_flag("HETERO_IO_AUTOTUNE")
+
+
+def _check_block_size(value: object, name: str) -> None:
+    if (not isinstance(value, int) or isinstance(value, bool) or not
+            ALIGNMENT <= value <= MAX_BLOCK_SIZE or value % ALIGNMENT):
+        raise HeteroConfigError(f"{name}block_size={value!r} must be {_BLOCK_SIZES}")
+
+
+def _check_queue_depth(value: object, name: str) -> None:
+    if (not isinstance(value, int) or isinstance(value, bool)
+            or not 1 <= value <= MAX_QUEUE_DEPTH):
+        raise HeteroConfigError(f"{name}queue_depth={value!r} must be {_QUEUE_DEPTHS}")
 
 
 def _check_tuning(block_size: int, queue_depth: int, source: str) -> None:
-    if (not isinstance(block_size, int) or block_size < ALIGNMENT or block_size > MAX_BLOCK_SIZE
-            or block_size % ALIGNMENT):
-        raise ValueError(f"{source}: block_size={block_size!r} must be a multiple of {ALIGNMENT} "
-                         f"between {ALIGNMENT} and {MAX_BLOCK_SIZE}")
-    if not isinstance(queue_depth, int) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
-        raise ValueError(f"{source}: queue_depth={queue_depth!r} must be an int between 1 and "
-                         f"{MAX_QUEUE_DEPTH}")
+    _check_block_size(block_size, f"{source}: ")
+    _check_queue_depth(queue_depth, f"{source}: ")
 
 
 def _resolve_backend(backend: Optional[str]) -> str:
     """The backend to run: the argument, else HETERO_FORCE_PYTHON_IO / HETERO_IO_BACKEND, else
-    auto, resolved against what this build and kernel offer."""
-    source = "SwapIO(backend=...)"
+    auto, resolved against what this build and kernel offer. HeteroConfigError for a backend
+    that is unknown or unavailable here."""
+    source = f"SwapIO(backend=...): backend={backend!r}"
     if backend is None:
         if os.environ.get("HETERO_FORCE_PYTHON_IO", "") not in ("", "0"):
             backend, source = "python", "HETERO_FORCE_PYTHON_IO"
         else:
-            backend = os.environ.get("HETERO_IO_BACKEND", "").strip() or "auto"
-            source = "HETERO_IO_BACKEND"
+            backend = _env_value("HETERO_IO_BACKEND") or "auto"
+            source = f"{_ENV}HETERO_IO_BACKEND={backend!r}"
     if backend not in BACKENDS:
-        raise ValueError(f"{source}: backend={backend!r} is not one of {BACKENDS}")
+        raise HeteroConfigError(f"{source} is not accepted; expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
         if _C is None:
             _warn_fallback()
@@ -219,12 +277,13 @@ def _resolve_backend(backend: Optional[str]) -> str:
         return "io_uring" if ok else "threads"
     if backend in ("io_uring", "threads"):
         if _C is None:
-            raise ValueError(f"{source}: backend={backend!r} needs the C++ extension hetero._C, "
-                             f"which did not import ({EXTENSION_ERROR}); available: "
-                             f"{available_backends()}")
+            raise HeteroConfigError(f"{source} needs the C++ extension hetero._C, which did not "
+                                    f"import ({EXTENSION_ERROR}); expected one of "
+                                    f"{available_backends()} or auto")
         if backend == "io_uring" and not _C.io_uring_available()[0]:
-            raise ValueError(f"{source}: backend='io_uring' is unavailable here "
-                             f"({_C.io_uring_available()[1]}); available: {available_backends()}")
+            raise HeteroConfigError(f"{source}: io_uring is unavailable here "
+                                    f"({_C.io_uring_available()[1]}); expected one of "
+                                    f"{available_backends()} or auto")
     return backend
 
 
@@ -251,6 +310,9 @@ class Tuning:
 #: (block size, queue depth) pairs the probe tries; the default pair first.
 PROBE_CANDIDATES = ((1 << 20, 32), (256 << 10, 32), (1 << 20, 8), (1 << 20, 64), (4 << 20, 16))
 PROBE_FILE_BYTES = 64 << 20
+#: the probe is skipped (defaults, uncached) where it may write less: too few passes to measure
+PROBE_MIN_BYTES = 16 << 20
+_PROBE_REQUEST = 8 << 20  # bytes per probe request, as the runtime's chunk-sized ones
 _PROBE_BUDGET_S = 1.5
 _PROBE_PASS_S = 0.05  # target duration of one measured pass
 _tune_lock = threading.Lock()
@@ -281,76 +343,146 @@ def _fs_key(directory: str, backend: str) -> str:
     return f"{backend}:{dev}:{mount}"
 
 
-def _read_cache(path: Path) -> dict:
+def _cache_problem(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be the tuning cache, or None: only a regular file (or nothing yet) is
+    read or replaced. A FIFO there would block the first open for ever, and replacing a device
+    (``HETERO_IO_TUNING_CACHE=/dev/null``, as root) with a JSON file would break the system."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return str(exc)
+    return None if stat.S_ISREG(mode) else f"not a regular file (mode {stat.filemode(mode)})"
+
+
+def _read_cache(path: Path) -> Optional[dict]:
+    """The cache's entries ({} when there is none yet, or it is damaged: the next probe rewrites
+    it), or None when ``path`` is not a regular file: then the cache is not used at all."""
+    problem = _cache_problem(path)
+    if problem is not None:
+        log.warning("swap I/O tuning cache %s is not usable (%s); tuning without it", path, problem)
+        return None
+    try:  # O_NONBLOCK: a FIFO put there since the check must not block the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         log.warning("ignoring unreadable swap I/O tuning cache %s (%s)", path, exc)
         return {}
+    with os.fdopen(fd) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            log.warning("swap I/O tuning cache %s is not a regular file; tuning without it", path)
+            return None
+        try:
+            data = json.load(f)
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable swap I/O tuning cache %s (%s)", path, exc)
+            return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _write_cache(path: Path, key: str, tuning: Tuning) -> None:
+    """Add ``tuning`` under ``key`` to the cache file, replacing it atomically (concurrent
+    processes see the old or the new file), unless it is not a regular file. Never raises for
+    an I/O problem and never leaves its temporary file behind."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_cache(path)
+        if data is None:
+            return
         data[key] = {k: v for k, v in asdict(tuning).items() if k not in ("source", "key")}
         data[key]["probed_at"] = time.time()
         fd, tmp = tempfile.mkstemp(prefix=".io_tuning-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)  # atomic: concurrent processes see the old or the new file
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except OSError as exc:
         log.warning("could not save swap I/O tuning to %s (%s)", path, exc)
 
 
-def tune(directory: str | os.PathLike[str], *, backend: str = "auto",
-         refresh: bool = False) -> Tuning:
+def _probe_bytes(directory: str, max_bytes: Optional[int]) -> int:
+    """Bytes the probe may write in ``directory``: PROBE_FILE_BYTES, at most ``max_bytes`` (the
+    caller's budget: the NVMe tier's swap files) and half the free space (the rest is other
+    writers'), in whole probe requests."""
+    free = os.statvfs(directory)
+    limit = min(PROBE_FILE_BYTES, free.f_bavail * free.f_frsize // 2)
+    if max_bytes is not None:
+        limit = min(limit, max_bytes)
+    return limit // _PROBE_REQUEST * _PROBE_REQUEST
+
+
+def _defaults(key: Optional[str] = None) -> Tuning:
+    return Tuning(DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, "default", key=key)
+
+
+def _cached(cache: Path, entries: Optional[dict], key: str) -> Optional[Tuning]:
+    """The valid cache entry for ``key``, or None."""
+    entry = (entries or {}).get(key)
+    try:
+        hit = Tuning(int(entry["block_size"]), int(entry["queue_depth"]), "cache",
+                     entry.get("read_GBps"), entry.get("write_GBps"), key)
+        _check_tuning(hit.block_size, hit.queue_depth, f"tuning cache {cache}")
+    except (TypeError, KeyError, ValueError):
+        return None
+    return hit
+
+
+def tune(directory: str | os.PathLike[str], *, backend: str = "auto", refresh: bool = False,
+         max_bytes: Optional[int] = None) -> Tuning:
     """Block size and queue depth for swap I/O in ``directory`` on ``backend``.
 
-    Returns the cached result for the directory's file system when there is one (``refresh``
-    re-probes), else runs :func:`probe` there and caches it. Never raises for an I/O problem:
-    a probe that fails (full disk, unwritable directory) logs a warning and returns the defaults
-    (uncached). Only the native backends are tuned; ``python`` gets the defaults.
+    Returns the result known for the directory's file system when there is one: from this
+    process, else from the cache file (``refresh`` re-probes); else runs :func:`probe` there,
+    writing at most ``max_bytes`` (and half the free space; PROBE_FILE_BYTES at most), and
+    caches it. Never raises for an I/O problem: where fewer than PROBE_MIN_BYTES may be written
+    the probe is skipped, and a probe that fails (full disk, unwritable directory) logs a
+    warning; both return the defaults, uncached, and a failed probe is not retried in this
+    process. Only the native backends are tuned; ``python`` gets the defaults.
     """
     backend = _resolve_backend(backend)
     if backend == "python":
-        return Tuning(DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, "default")
+        return _defaults()
     directory = os.fspath(directory)
     cache = tuning_cache_path()
     try:
         key = _fs_key(directory, backend)
     except OSError as exc:
         log.warning("swap I/O tuning: cannot stat %s (%s); using defaults", directory, exc)
-        return Tuning(DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, "default")
+        return _defaults()
     with _tune_lock:
-        if not refresh:
-            hit = _tune_memo.get((str(cache), key))
-            if hit is not None:
-                return hit
-            entry = _read_cache(cache).get(key)
-            try:
-                hit = Tuning(int(entry["block_size"]), int(entry["queue_depth"]), "cache",
-                             entry.get("read_GBps"), entry.get("write_GBps"), key)
-                _check_tuning(hit.block_size, hit.queue_depth, f"tuning cache {cache}")
-            except (TypeError, KeyError, ValueError):
-                hit = None
-            if hit is not None:
-                _tune_memo[(str(cache), key)] = hit
-                return hit
+        memo = (str(cache), key)
+        if not refresh and memo in _tune_memo:
+            return _tune_memo[memo]
+        entries = _read_cache(cache)
+        hit = None if refresh else _cached(cache, entries, key)
+        if hit is not None:
+            _tune_memo[memo] = hit
+            return hit
         try:
-            found = probe(directory, backend=backend)
+            nbytes = _probe_bytes(directory, max_bytes)
+            if nbytes < PROBE_MIN_BYTES:
+                log.info("swap I/O tuning in %s skipped: the probe needs %d bytes and may write "
+                         "only %d there (budget, free space); using block size %d, queue depth "
+                         "%d", directory, PROBE_MIN_BYTES, nbytes, DEFAULT_BLOCK_SIZE,
+                         DEFAULT_QUEUE_DEPTH)
+                return _defaults(key)
+            found = probe(directory, backend=backend, file_bytes=nbytes)
         except (OSError, ValueError) as exc:
             log.warning("swap I/O tuning probe in %s failed (%s); using block size %d, queue depth "
-                        "%d", directory, exc, DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH)
-            return Tuning(DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, "default")
+                        "%d (not probed again in this process)", directory, exc,
+                        DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH)
+            _tune_memo[memo] = _defaults(key)
+            return _tune_memo[memo]
         found = Tuning(found.block_size, found.queue_depth, "probe", found.read_GBps,
                        found.write_GBps, key)
-        _write_cache(cache, key, found)
-        _tune_memo[(str(cache), key)] = replace(found, source="cache")  # for later callers
+        if entries is not None:
+            _write_cache(cache, key, found)
+        _tune_memo[memo] = replace(found, source="cache")  # for later callers
         return found
 
 
@@ -383,7 +515,7 @@ def probe(directory: str | os.PathLike[str], *, backend: str = "auto",
             fd = engine.open(path, file_bytes, False)
         buf = aligned_empty(file_bytes)
         buf.view(torch.int64).copy_(torch.arange(file_bytes // 8, dtype=torch.int64))
-        request = 8 << 20
+        request = _PROBE_REQUEST
 
         def run(write: bool, nbytes: int) -> float:
             submit = engine.submit_write if write else engine.submit_read
@@ -442,6 +574,25 @@ class SwapFile:
     direct: bool
 
 
+_WAIT_SLICE_S = 3600.0  # longest single wait_for: far below what the engines' clocks can add
+
+
+def _check_timeout(timeout: object) -> float:
+    """``timeout`` as float seconds: TypeError unless a real number, ValueError for NaN (which
+    no clock can wait). Negative is 0 (poll); inf waits as long as it takes."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"Handle.wait: timeout={timeout!r} is not accepted; expected None or a "
+                        "number of seconds")
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int beyond any float: as long as it takes
+        seconds = math.inf
+    if math.isnan(seconds):
+        raise ValueError("Handle.wait: timeout=nan is not accepted; expected None or a number of "
+                         "seconds")
+    return max(seconds, 0.0)
+
+
 class Handle:
     """One queued transfer. Wait it from one thread; later waits repeat the first outcome."""
 
@@ -459,31 +610,40 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block (without the GIL) until the transfer finished; raise HeteroIOError (errno, path)
-        if it failed. With ``timeout`` (seconds), raise TimeoutError if it is still running then
-        (the handle stays valid and can be waited again)."""
+        if it failed. With ``timeout`` (seconds, a real number; inf is no limit), raise
+        TimeoutError if it is still running then (the handle stays valid and can be waited
+        again). Only the transfer's end settles the handle: any other exception (a bad timeout,
+        KeyboardInterrupt) leaves it to be waited again."""
+        if timeout is not None:
+            timeout = _check_timeout(timeout)
         if not self._waited:
-            finished = False
             try:
-                if timeout is None:
-                    self._engine.wait(self._id)
-                    finished = True
-                else:
-                    finished = self._engine.wait_for(self._id, float(timeout))
-            except OSError as e:
+                finished = self._wait(timeout)
+            except OSError as e:  # (raised by the engines only for a finished transfer)
                 finished = True
                 self._error = HeteroIOError(e.errno, f"swap {self._op} failed: {e.strerror}",
                                             self._file.path)
-            except BaseException:
-                finished = True  # e.g. a handle the engine no longer knows: do not retry it
-                raise
-            finally:
-                if finished:
-                    self._waited, self._tensor = True, None
             if not finished:
                 raise TimeoutError(f"swap {self._op} of {self._file.path!r} still running after "
                                    f"{timeout} s")
+            self._waited, self._tensor = True, None
         if self._error is not None:
             raise self._error
+
+    def _wait(self, timeout: Optional[float]) -> bool:
+        """Whether the transfer finished within ``timeout`` (None: it has, waited for). Waits in
+        slices of at most _WAIT_SLICE_S: a deadline far away (inf, 1e300) overflows both
+        engines' clocks (an instant timeout natively, OverflowError in Python's)."""
+        if timeout is None:
+            self._engine.wait(self._id)
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if self._engine.wait_for(self._id, min(max(left, 0.0), _WAIT_SLICE_S)):
+                return True
+            if left <= _WAIT_SLICE_S:
+                return False
 
     def __repr__(self) -> str:
         return f"<Handle {self._op} {self._file.path!r} #{self._id}>"
@@ -506,10 +666,8 @@ class SwapIO:
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"SwapIO: num_threads={num_threads!r} must be an int >= 1")
         self.backend = _resolve_backend(backend)
-        self._block_size = block_size if block_size is not None else _env_int(
-            "HETERO_IO_BLOCK_SIZE", parse_size=True)
-        self._queue_depth = queue_depth if queue_depth is not None else _env_int(
-            "HETERO_IO_QUEUE_DEPTH")
+        self._block_size = block_size if block_size is not None else _env_block_size()
+        self._queue_depth = queue_depth if queue_depth is not None else _env_queue_depth()
         bs = self._block_size if self._block_size is not None else DEFAULT_BLOCK_SIZE
         qd = self._queue_depth if self._queue_depth is not None else DEFAULT_QUEUE_DEPTH
         _check_tuning(bs, qd, "SwapIO")
@@ -519,9 +677,13 @@ class SwapIO:
         self.num_threads = num_threads
         self.tuning: Optional[Tuning] = None
         self._lock = threading.Lock()
-        if self.backend == "python":
+        self._files_lock = threading.Lock()
+        self._files: dict[int, SwapFile] = {}  # fd -> the open SwapFile holding it
+        overridden = self._block_size is not None or self._queue_depth is not None
+        if self.backend == "python":  # (never probed: whole requests, no splitting)
             self._engine = _PyIOEngine(num_threads, checksum=self.checksum)
-            self.tuning = Tuning(bs, qd, "default")
+            self._engine.set_tuning(bs, qd)
+            self.tuning = Tuning(bs, qd, "override" if overridden else "default")
         else:
             self._engine = _C.IOEngine(num_threads, self.backend, bs, qd, self.checksum)
             if self._block_size is not None and self._queue_depth is not None:
@@ -539,9 +701,19 @@ class SwapIO:
         """Sub-requests in flight at most, across requests."""
         return self._engine.queue_depth
 
-    def _tune_for(self, directory: str) -> None:
-        """First open: settle block size and queue depth from the probe of ``directory``."""
-        found = tune(directory, backend=self.backend)
+    def tune(self, directory: str | os.PathLike[str], *, max_bytes: Optional[int] = None) -> Tuning:
+        """Settle block size and queue depth for swap files in ``directory`` now, unless they
+        are already (arguments, HETERO_IO_AUTOTUNE=0, an earlier call or open): the probe (see
+        :func:`tune`) writes at most ``max_bytes`` there, so a caller with a byte budget for
+        the directory (the NVMe tier) stays within it. The first open calls it otherwise, with
+        no bound but the free space."""
+        with self._lock:
+            if self.tuning is None:
+                self._tune_for(os.fspath(directory), max_bytes)
+            return self.tuning
+
+    def _tune_for(self, directory: str, max_bytes: Optional[int]) -> None:
+        found = tune(directory, backend=self.backend, max_bytes=max_bytes)
         bs = self._block_size if self._block_size is not None else found.block_size
         qd = self._queue_depth if self._queue_depth is not None else found.queue_depth
         self._engine.set_tuning(bs, qd)
@@ -560,14 +732,12 @@ class SwapIO:
         space now (fallocate), so a disk without room for ``size`` bytes raises
         HeteroIOError(ENOSPC) here; False only grows the file (sparse). Files are never shrunk.
         The first open of a SwapIO without explicit tuning runs (or reads) the tuning probe of
-        the file's directory.
+        the file's directory (:meth:`tune`).
         """
         path = os.fspath(path)
         if not isinstance(size, int) or size < 0:
             raise ValueError(f"SwapIO.open: size={size!r} must be an int >= 0")
-        with self._lock:
-            if self.tuning is None:
-                self._tune_for(os.path.dirname(os.path.abspath(path)))
+        self.tune(os.path.dirname(os.path.abspath(path)))
         try:
             fd = -1
             if direct is not False and hasattr(os, "O_DIRECT"):
@@ -580,7 +750,10 @@ class SwapIO:
         except OSError as e:
             raise HeteroIOError(e.errno, f"cannot open swap file of {size} bytes: {e.strerror}",
                                 path) from e
-        return SwapFile(path, fd, size, is_direct)
+        file = SwapFile(path, fd, size, is_direct)
+        with self._files_lock:
+            self._files[fd] = file
+        return file
 
     def write(self, file: SwapFile, offset: int, tensor: torch.Tensor) -> Handle:
         """Queue writing all of ``tensor``'s bytes to ``file`` at byte ``offset``."""
@@ -590,18 +763,39 @@ class SwapIO:
         """Queue filling all of ``tensor``'s bytes from ``file`` at byte ``offset``."""
         return self._submit(False, file, offset, tensor)
 
+    def _is_open(self, file: SwapFile) -> bool:
+        """Whether ``file`` is open in this SwapIO (call with _files_lock held). Once closed, its
+        descriptor number belongs to whatever file is opened next, so a stale SwapFile would
+        read, write or close another file."""
+        return self._files.get(file.fd) is file
+
     def _submit(self, write: bool, file: SwapFile, offset: int, tensor: torch.Tensor) -> Handle:
+        op = "write" if write else "read"
         submit = self._engine.submit_write if write else self._engine.submit_read
-        handle_id = submit(file.fd, tensor, offset, _take_fault())
-        return Handle(self._engine, handle_id, file, tensor, "write" if write else "read")
+        with self._files_lock:  # (a close in another thread must not free the fd in between)
+            if not self._is_open(file):
+                raise ValueError(f"SwapIO.{op}: swap file {file.path!r} is not open in this "
+                                 "SwapIO (closed, or opened by another)")
+            handle_id = submit(file.fd, tensor, offset, _take_fault())
+        return Handle(self._engine, handle_id, file, tensor, op)
 
     def close(self, file: SwapFile) -> None:
         """Close ``file``: HeteroIOError (EBUSY) while transfers on it are still running (a
-        worker would read or write a closed descriptor, or a file reusing its number)."""
-        try:
-            self._engine.close(file.fd)
-        except OSError as e:
-            raise HeteroIOError(e.errno, f"cannot close swap file: {e.strerror}", file.path) from e
+        worker would read or write a closed descriptor, or a file reusing its number). A
+        closed file is refused: HeteroIOError (EBADF) by ``close``, ValueError by ``read`` and
+        ``write``; no descriptor is touched."""
+        with self._files_lock:
+            if not self._is_open(file):
+                raise HeteroIOError(errno.EBADF, "cannot close swap file: it is not open in this "
+                                    "SwapIO (closed, or opened by another)", file.path)
+            try:
+                self._engine.close(file.fd)
+            except OSError as e:
+                if e.errno != errno.EBUSY:  # (Linux releases the fd even when close fails)
+                    del self._files[file.fd]
+                raise HeteroIOError(e.errno, f"cannot close swap file: {e.strerror}",
+                                    file.path) from e
+            del self._files[file.fd]
 
     def shutdown(self) -> None:
         """Finish queued transfers and stop the backend (handles stay waitable). Idempotent."""
@@ -688,6 +882,10 @@ class _Checksums:
         return None
 
 
+def _note_worker(workers: set[int]) -> None:
+    workers.add(threading.get_ident())
+
+
 class _PyIOEngine:
     """Pure-Python stand-in for ``hetero._C.IOEngine``: same methods, errors and semantics
     (whole requests on a thread pool; block size and queue depth are recorded, not used)."""
@@ -697,7 +895,9 @@ class _PyIOEngine:
     def __init__(self, num_threads: int, checksum: bool = False) -> None:
         if num_threads < 1:
             raise ValueError("IOEngine needs num_threads >= 1")
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hetero-io")
+        self._workers: set[int] = set()  # thread idents of the pool's workers
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hetero-io",
+                                        initializer=_note_worker, initargs=(self._workers,))
         self._lock = threading.Lock()
         self._futures: dict[int, tuple[Future[None], int]] = {}  # handle -> (future, its file)
         self._next = 1
@@ -801,6 +1001,7 @@ class _PyIOEngine:
         return entry[0]
 
     def wait(self, handle: int) -> None:
+        futures_wait([self._future(handle, pop=False)])  # (interrupted: the handle is kept)
         self._future(handle, pop=True).result()
 
     def wait_for(self, handle: int, timeout: float) -> bool:
@@ -814,7 +1015,9 @@ class _PyIOEngine:
         return self._future(handle, pop=False).done()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        # Not waited from one of the pool's own workers, which would join itself: a garbage
+        # collection there can run a SwapSpace's finalizer (tiers._release), which shuts down.
+        self._pool.shutdown(wait=threading.get_ident() not in self._workers)
 
     def _transfer(self, write: bool, fd: int, buf: memoryview, offset: int, fault: str) -> None:
         op, n = ("pwrite" if write else "pread"), len(buf)

@@ -506,11 +506,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_dir(path: str, owner: int) -> None:
-    """Remove a swap directory, from the process that made it only: a child forked from it
-    that exits must not take its parent's swap away."""
-    if os.getpid() == owner:
-        shutil.rmtree(path, ignore_errors=True)
+def _release(io: "engine.SwapIO", files: "list[engine.SwapFile]", path: str, owner: int) -> None:
+    """Close the swap files and remove their directory, from the process that made them only:
+    a child forked from it that exits must not take its parent's swap away (nor touch an engine
+    whose threads it does not have). Closing matters as much as removing: a removed file's
+    reserved space is only freed once its last descriptor is closed. Queued transfers finish
+    first (none may reach a closed, reused descriptor). Needs no SwapSpace: it is the
+    finalizer of one."""
+    if os.getpid() != owner:
+        return
+    io.shutdown()
+    for f in files:
+        try:
+            io.close(f)
+        except OSError as exc:
+            log.warning("hetero: closing swap file %s failed (%s)", f.path, exc)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class SwapSpace:
@@ -537,14 +548,22 @@ class SwapSpace:
 
     def __init__(self, parent: str, capacity: int, slot_size: int, largest_block: int,
                  num_threads: int = 4) -> None:
-        self.dir = make_private_dir(parent)
-        # Remove the directory even if close() is never reached (exceptions, interpreter exit).
-        self._finalizer = weakref.finalize(self, _remove_dir, self.dir, os.getpid())
-        atexit.register(self._finalizer)
         self.slots = self.layout(capacity, slot_size, largest_block)
         self.io = engine.SwapIO(num_threads=num_threads)
-        self.files = []
         try:
+            self.dir = make_private_dir(parent)
+        except BaseException:
+            self.io.shutdown()
+            raise
+        self.files: list[engine.SwapFile] = []
+        # Close the files and remove the directory even if close() is never reached (the
+        # module dropped, exceptions, interpreter exit).
+        self._finalizer = weakref.finalize(self, _release, self.io, self.files, self.dir,
+                                           os.getpid())
+        atexit.register(self._finalizer)
+        try:
+            # The probe writes no more than the files will hold: the budget caps disk use.
+            self.io.tune(self.dir, max_bytes=sum(self.slots) * slot_size)
             for i, n in enumerate(self.slots):  # (a full disk fails here, reserving the space)
                 self.files.append(self.io.open(os.path.join(self.dir, f"swap-{i}.bin"), n * slot_size))
         except BaseException:
@@ -576,10 +595,8 @@ class SwapSpace:
         return Handles([submit(self.files[i], off, buf[k * slot:(k + 1) * slot]) for k, (i, off) in enumerate(loc)])
 
     def close(self) -> None:
+        """Close the swap files and remove the directory (:func:`_release`). Idempotent."""
         if self._finalizer.alive:
-            self.io.shutdown()  # finishes queued transfers: none may reach a closed (reused) fd
-            for f in self.files:
-                self.io.close(f)
             self._finalizer()
             atexit.unregister(self._finalizer)
 

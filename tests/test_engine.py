@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import stat
 import subprocess
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from hetero import engine
-from hetero.errors import HeteroIOError
+from hetero.errors import HeteroConfigError, HeteroIOError
 
 PAGE = engine.ALIGNMENT
 NATIVE = ("io_uring", "threads")
@@ -258,6 +259,31 @@ def test_open_and_close_errors_are_hetero_io_errors(io, tmp_path):
         io.close(f)
 
 
+def test_a_closed_swap_file_is_refused(io, tmp_path):
+    """The next open reuses a closed file's descriptor number: a stale SwapFile must not write
+    into that file, nor close its descriptor."""
+    f = io.open(tmp_path / "first.bin", PAGE)
+    io.close(f)
+    g = io.open(tmp_path / "second.bin", PAGE)
+    zeros, sevens = engine.aligned_empty(PAGE), engine.aligned_empty(PAGE)
+    zeros.zero_()
+    sevens.fill_(7)
+    io.write(g, 0, zeros).wait()
+    for submit in (io.write, io.read):
+        with pytest.raises(ValueError, match="first.bin.*is not open in this SwapIO"):
+            submit(f, 0, sevens)
+    with pytest.raises(HeteroIOError, match="not open") as info:
+        io.close(f)
+    assert info.value.errno == errno.EBADF and info.value.filename == f.path
+    out = engine.aligned_empty(PAGE)
+    io.read(g, 0, out).wait()  # g is untouched and still open
+    assert torch.equal(out, zeros)
+    with make_io("python") as other:  # nor is a file of another SwapIO accepted
+        with pytest.raises(ValueError, match="not open in this SwapIO"):
+            other.write(g, 0, zeros)
+    io.close(g)
+
+
 def test_a_file_with_transfers_in_flight_is_not_closed(io, tmp_path):
     """Closing a swap file whose transfers still run fails with EBUSY (workers would read or
     write a closed descriptor, or a file that reuses its number); once they are waited it closes."""
@@ -294,6 +320,16 @@ def test_shutdown_keeps_results_and_refuses_new_work(io, tmp_path):
     with pytest.raises(RuntimeError):
         io.write(f, 0, engine.aligned_empty(PAGE))
     io.shutdown()  # idempotent
+
+
+def test_python_engine_shuts_down_from_its_own_worker(tmp_path):
+    """A garbage collection in a python-backend worker can run a dropped model's finalizer,
+    which shuts the engine down: that must not join the very thread it runs on."""
+    io = make_io("python")
+    f = io.open(tmp_path / "own-worker.bin", PAGE)
+    io.write(f, 0, engine.aligned_empty(PAGE)).wait()
+    io._engine._pool.submit(io.shutdown).result(timeout=10)
+    io.close(f)
 
 
 @pytest.mark.parametrize("backend", NATIVE)
@@ -475,6 +511,64 @@ def test_wait_timeout_raises_and_handle_stays_valid(monkeypatch, tmp_path):
     io.shutdown()
 
 
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300, 10**400], ids=["inf", "1e300", "10**400"])
+def test_a_huge_timeout_waits_for_the_transfer(io, tmp_path, timeout):
+    """inf or a deadline centuries away overflowed the engines' clocks: an instant TimeoutError
+    (native) or OverflowError (python). They wait as long as it takes."""
+    size = 32 << 20  # still running when waited
+    f = io.open(tmp_path / "huge-timeout.bin", size)
+    h = io.write(f, 0, engine.aligned_empty(size))
+    h.wait(timeout=timeout)
+    assert h.done()
+    io.close(f)
+
+
+def test_wait_timeout_errors_leave_the_handle_pending(io, tmp_path):
+    """A bad timeout is refused before waiting and does not settle the handle: the transfer's
+    own error still surfaces on the next wait."""
+    f = io.open(tmp_path / "bad-timeout.bin", 16 * PAGE)
+    engine.inject_fault("eio")
+    h = io.write(f, 0, engine.aligned_empty(16 * PAGE))
+    with pytest.raises(TypeError, match="timeout='x' is not accepted"):
+        h.wait(timeout="x")
+    with pytest.raises(TypeError, match="timeout=True"):
+        h.wait(timeout=True)
+    with pytest.raises(ValueError, match="timeout=nan"):
+        h.wait(timeout=float("nan"))
+    with pytest.raises(HeteroIOError) as info:
+        h.wait(timeout=30)
+    assert info.value.errno == errno.EIO
+    with pytest.raises(HeteroIOError):  # and again: the outcome is kept
+        h.wait()
+    io.close(f)
+
+
+@pytest.mark.parametrize("timeout", [None, 30])
+def test_an_interrupted_wait_leaves_the_handle_pending(monkeypatch, tmp_path, timeout):
+    """A wait interrupted (KeyboardInterrupt) before the transfer ended must neither settle the
+    handle nor lose it in the engine: the next wait reports the transfer's failure."""
+    io = make_io("python")
+    f = io.open(tmp_path / "interrupted.bin", PAGE)
+    real = engine.futures_wait
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted(*args, **kwargs):
+        if interrupts:
+            raise interrupts.pop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "futures_wait", interrupted)
+    engine.inject_fault("eio")
+    h = io.write(f, 0, engine.aligned_empty(PAGE))
+    with pytest.raises(KeyboardInterrupt):
+        h.wait(timeout=timeout)
+    with pytest.raises(HeteroIOError) as info:
+        h.wait()
+    assert info.value.errno == errno.EIO
+    io.close(f)
+    io.shutdown()
+
+
 # ---- backend selection and argument errors ----------------------------------------------------
 
 
@@ -496,9 +590,11 @@ def test_backend_selection(monkeypatch):
         assert io.backend == ("threads" if native else "python")
     monkeypatch.delenv("HETERO_FORCE_PYTHON_IO")
     monkeypatch.setenv("HETERO_IO_BACKEND", "spdk")
-    with pytest.raises(ValueError, match="HETERO_IO_BACKEND: backend='spdk' is not one of"):
+    with pytest.raises(HeteroConfigError, match="environment variable HETERO_IO_BACKEND='spdk' is "
+                       "not accepted; expected one of auto, io_uring, threads, python"):
         engine.SwapIO(1)
-    with pytest.raises(ValueError, match=r"SwapIO\(backend=...\): backend='aio' is not one of"):
+    with pytest.raises(HeteroConfigError, match=r"SwapIO\(backend=...\): backend='aio' is not "
+                       "accepted; expected one of"):
         engine.SwapIO(1, backend="aio")
 
 
@@ -541,19 +637,50 @@ def test_swapio_argument_errors_name_the_argument(kwargs, match):
         engine.SwapIO(**kwargs)
 
 
-def test_environment_overrides(monkeypatch):
+def test_python_backend_reports_the_tuning_it_was_given():
+    with engine.SwapIO(1, backend="python", block_size=64 << 10, queue_depth=8) as io:
+        assert (io.block_size, io.queue_depth, io.tuning.source) == (64 << 10, 8, "override")
+        assert repr(io) == "<SwapIO python block_size=65536 queue_depth=8 checksum=True>"
+    with engine.SwapIO(1, backend="python", queue_depth=8) as io:
+        assert (io.block_size, io.queue_depth, io.tuning.source) == (1 << 20, 8, "override")
+    with engine.SwapIO(1, backend="python") as io:
+        assert (io.block_size, io.queue_depth, io.tuning.source) == (1 << 20, 32, "default")
+
+
+@pytest.mark.parametrize("name, value, accepted", [
+    ("HETERO_IO_BACKEND", "uring", "one of auto, io_uring, threads, python"),
+    ("HETERO_IO_BLOCK_SIZE", "1000", "a multiple of 4096 between 4096 and 67108864 bytes"),
+    ("HETERO_IO_BLOCK_SIZE", "garbage", "a multiple of 4096"),
+    ("HETERO_IO_BLOCK_SIZE", "128MiB", "a multiple of 4096"),
+    ("HETERO_IO_QUEUE_DEPTH", "0", "an int between 1 and 256"),
+    ("HETERO_IO_QUEUE_DEPTH", "deep", "an int between 1 and 256"),
+    ("HETERO_IO_CHECKSUM", "yes please", "1, true, yes or on"),
+    ("HETERO_IO_AUTOTUNE", "2", "1, true, yes or on"),
+])
+def test_bad_io_environment_values_are_config_errors(monkeypatch, name, value, accepted):
+    """Every invalid HETERO_IO_* value is a HeteroConfigError naming the variable, the value and
+    what is accepted (they were plain ValueErrors, some naming only SwapIO's argument)."""
+    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
+    monkeypatch.setenv(name, value)
+    expected = f"environment variable {name}={value!r} is not accepted; expected {accepted}"
+    with pytest.raises(HeteroConfigError, match=re.escape(expected)):
+        engine.check_environment()
+    with pytest.raises(HeteroConfigError, match=re.escape(expected)):
+        engine.SwapIO(1)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads", "python"])
+def test_environment_overrides(monkeypatch, backend):
+    make_io(backend).shutdown()  # (skips an unavailable backend)
     monkeypatch.setenv("HETERO_IO_BLOCK_SIZE", "256KiB")
     monkeypatch.setenv("HETERO_IO_QUEUE_DEPTH", "12")
-    backend = engine.available_backends()[0]
     with engine.SwapIO(1, backend=backend) as io:
-        if backend != "python":
-            assert (io.block_size, io.queue_depth) == (256 << 10, 12)
-        assert io.tuning.source in ("override", "default")
+        assert (io.block_size, io.queue_depth, io.tuning.source) == (256 << 10, 12, "override")
+        assert "block_size=262144 queue_depth=12" in repr(io)
     with engine.SwapIO(1, backend=backend, queue_depth=3) as io:  # an argument beats the env
-        if backend != "python":
-            assert io.queue_depth == 3
+        assert io.queue_depth == 3
     monkeypatch.setenv("HETERO_IO_QUEUE_DEPTH", "deep")
-    with pytest.raises(ValueError, match="HETERO_IO_QUEUE_DEPTH='deep' is not an integer"):
+    with pytest.raises(HeteroConfigError, match="HETERO_IO_QUEUE_DEPTH='deep' is not accepted"):
         engine.SwapIO(1)
     monkeypatch.setenv("HETERO_IO_QUEUE_DEPTH", "12")
     monkeypatch.setenv("HETERO_IO_CHECKSUM", "maybe")
@@ -818,3 +945,110 @@ def test_real_probe_is_short_and_cleans_up(tmp_path, backend):
     assert (found.block_size, found.queue_depth) in ((1 << 20, 32), (256 << 10, 8))
     assert found.read_GBps > 0 and found.write_GBps > 0
     assert os.listdir(tmp_path) == []
+
+
+def special_file(directory, kind: str):
+    """A FIFO, a character device (a private copy of /dev/null's numbers, made here: never the
+    real one) or a directory at ``directory/kind``."""
+    path = directory / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "chardev":
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("mknod needs CAP_MKNOD")
+    else:
+        path.mkdir()
+    return path
+
+
+def tune_in_thread(directory) -> engine.Tuning:
+    """engine.tune, failing (not hanging, nor holding the tuning lock) when it blocks: a reader
+    blocked on a FIFO is let go by opening its write end, as often as it opens it again."""
+    found = []
+    worker = threading.Thread(target=lambda: found.append(engine.tune(directory)), daemon=True)
+    worker.start()
+    worker.join(10)
+    blocked = worker.is_alive()
+    for _ in range(100):
+        if not worker.is_alive():
+            break
+        with contextlib.suppress(OSError):  # (ENXIO: no reader at the moment)
+            os.close(os.open(engine.tuning_cache_path(), os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(0.1)
+    if blocked:
+        pytest.fail(f"tune blocked opening the tuning cache {engine.tuning_cache_path()}")
+    return found[0]
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="only the native backends are tuned")
+@pytest.mark.parametrize("kind", ["fifo", "chardev", "directory"])
+def test_a_tuning_cache_that_is_not_a_regular_file_is_left_alone(tmp_path, tuning_cache,
+                                                                 fake_probe, monkeypatch, caplog,
+                                                                 kind):
+    """Only a regular file is read or replaced: a FIFO blocked the first open for ever, and
+    os.replace turned a device (HETERO_IO_TUNING_CACHE=/dev/null as root) into a JSON file."""
+    path = special_file(tmp_path, kind)
+    monkeypatch.setenv("HETERO_IO_TUNING_CACHE", str(path))
+    mode = os.stat(path).st_mode
+    found = tune_in_thread(tmp_path)
+    assert (found.block_size, found.queue_depth, found.source) == (256 << 10, 12, "probe")
+    assert os.stat(path).st_mode == mode  # still what it was
+    assert "not usable" in caplog.text and "not a regular file" in caplog.text
+    assert not list(tmp_path.glob(".io_tuning-*"))
+    assert engine.tune(tmp_path).source == "cache" and len(fake_probe) == 1  # (in-process only)
+
+
+def test_a_failed_cache_write_leaves_no_temporary_file(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "io_tuning.json"
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(engine.os, "replace", refuse)
+    engine._write_cache(path, "key", engine.Tuning(1 << 20, 32, "probe"))
+    assert os.listdir(tmp_path) == [] and "could not save" in caplog.text
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="only the native backends are tuned")
+def test_probe_writes_within_max_bytes_and_free_space(tmp_path, tuning_cache, monkeypatch):
+    """The probe's file is bounded by ``max_bytes`` (the NVMe tier passes what its swap files
+    will hold) and half the free space, in whole requests; under PROBE_MIN_BYTES it is skipped
+    (defaults, not cached: a larger budget may probe later)."""
+    sizes = []
+
+    def probe(directory, *, backend="auto", file_bytes=engine.PROBE_FILE_BYTES, **kwargs):
+        sizes.append(file_bytes)
+        return engine.Tuning(256 << 10, 12, "probe", 1.5, 2.5)
+
+    monkeypatch.setattr(engine, "probe", probe)
+    found = engine.tune(tmp_path, max_bytes=engine.PROBE_MIN_BYTES - 1)
+    assert found.source == "default" and sizes == [] and not tuning_cache.exists()
+    assert engine.tune(tmp_path, max_bytes=(40 << 20) + 5).source == "probe"
+    assert sizes == [40 << 20]
+    engine._tune_memo.clear()
+    free = os.statvfs_result((4096, 4096, 0, 0, 12000, 0, 0, 0, 0, 255))  # 12000 pages free
+    monkeypatch.setattr(engine.os, "statvfs", lambda directory: free)
+    engine.tune(tmp_path, refresh=True)  # half the free space is 23.4 MiB: 16 MiB in 8 MiB requests
+    assert sizes == [40 << 20, 16 << 20]
+    engine._tune_memo.clear()
+    tuning_cache.unlink()
+    with engine.SwapIO(1) as io:  # the SwapIO method passes the bound on
+        assert io.tune(tmp_path, max_bytes=1 << 20).source == "default"
+        assert io.tuning.source == "default" and len(sizes) == 2
+
+
+@pytest.mark.skipif(not engine.has_extension(), reason="only the native backends are tuned")
+def test_a_failed_probe_is_not_retried_in_the_process(tmp_path, tuning_cache, monkeypatch):
+    calls = []
+
+    def broken(directory, **kwargs):
+        calls.append(directory)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(engine, "probe", broken)
+    assert engine.tune(tmp_path).source == "default"
+    assert engine.tune(tmp_path).source == "default" and len(calls) == 1
+    engine.tune(tmp_path, refresh=True)  # unless asked
+    assert len(calls) == 2 and not tuning_cache.exists()

@@ -140,6 +140,34 @@ def test_removed_when_module_is_garbage_collected(tmp_path):
     assert swap_dirs(tmp_path) == []
 
 
+def open_descriptors_under(path) -> list[str]:
+    """What this process's open descriptors point at under ``path`` (deleted files included)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)):
+            found.append(target)
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_garbage_collection_closes_the_swap_files(tmp_path):
+    """Removing the directory is not enough: a removed file's reserved space is only freed when
+    its last descriptor is closed, so a dropped model must close its files too."""
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt)
+    d = the_swap_dir(tmp_path)
+    assert len(open_descriptors_under(d)) >= 1
+    del model, opt
+    gc.collect()
+    assert not d.exists()
+    assert open_descriptors_under(d) == []
+
+
 def test_removed_when_wrapped_but_never_trained(tmp_path):
     model = wrap_on_nvme(tmp_path)
     d = the_swap_dir(tmp_path)
@@ -380,6 +408,61 @@ def test_swap_files_never_exceed_the_nvme_budget(tmp_path, budget_slots):
     assert sum(f.stat().st_size for f in files) == int(budget_slots) * slot
     train(wrapped, opt)
     assert wrapped.placement_report().as_dict()["tiers"]["nvme"]["peak"] <= budget
+    wrapped.close()
+
+
+def test_the_tuning_probe_stays_within_the_nvme_budget(tmp_path, monkeypatch):
+    """The first wrap on a file system probes the disk inside the swap directory: the probe's
+    file (64 MiB by default) must fit what the swap files will hold, so ``nvme_budget`` caps the
+    bytes on disk during wrap too. Here that is 1 MiB: too little to probe, so none runs."""
+    from hetero import engine
+
+    if not engine.has_extension():
+        pytest.skip("only the native backends are tuned")
+    monkeypatch.setenv("HETERO_IO_TUNING_CACHE", str(tmp_path / "fresh" / "io_tuning.json"))
+    for name in ("HETERO_IO_BLOCK_SIZE", "HETERO_IO_QUEUE_DEPTH", "HETERO_IO_AUTOTUNE",
+                 "HETERO_FORCE_PYTHON_IO", "HETERO_IO_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(engine, "_tune_memo", {})
+    probed = []
+
+    def probe(directory, **kwargs):
+        probed.append(kwargs)
+        return engine.Tuning(256 << 10, 12, "probe", 1.0, 1.0)
+
+    monkeypatch.setattr(engine, "probe", probe)
+    model = make_model()
+    total = state_bytes(model)
+    wrapped = hetero.wrap(model, device="cpu", device_budget=int(total * 0.3),
+                          host_budget=int(total * 0.3), nvme_path=str(tmp_path / "swap"),
+                          nvme_budget="1MiB", chunk_size="8KiB")
+    swap = wrapped._hetero_state.runtime.storage.swap
+    assert probed == [] and swap.io.tuning.source == "default"
+    wrapped.close()
+
+
+@pytest.mark.parametrize("name, value", [
+    ("HETERO_IO_BACKEND", "uring"), ("HETERO_IO_BLOCK_SIZE", "1000"),
+    ("HETERO_IO_BLOCK_SIZE", "garbage"), ("HETERO_IO_QUEUE_DEPTH", "0"),
+    ("HETERO_IO_CHECKSUM", "yes please"), ("HETERO_IO_AUTOTUNE", "maybe"),
+])
+def test_a_bad_io_environment_value_is_a_config_error_from_wrap(tmp_path, monkeypatch, name, value):
+    """wrap refuses an invalid HETERO_IO_* value with a HeteroConfigError naming it, before
+    anything moves; without an NVMe tier the variables are not used, so not checked."""
+    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
+    monkeypatch.setenv(name, value)
+    model = make_model()
+    total = state_bytes(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kwargs = dict(device="cpu", device_budget=int(total * 0.3), host_budget=int(total * 0.3),
+                  chunk_size="8KiB")
+    with pytest.raises(hetero.HeteroConfigError,
+                       match=f"environment variable {name}={value!r} is not accepted; expected"):
+        hetero.wrap(model, nvme_path=str(tmp_path / "swap"), nvme_budget=4 * total, **kwargs)
+    assert not (tmp_path / "swap").exists()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    wrapped = hetero.wrap(model, device="cpu", device_budget=total, host_budget=total,
+                          chunk_size="8KiB")
     wrapped.close()
 
 
