@@ -228,16 +228,36 @@ class AioFiles:
         return self.size / (time.perf_counter() - start) / 1e9
 
 
+def _size(text: str) -> int:
+    """argparse type of --size / --request: a usage error, not a traceback, for a bad size."""
+    try:
+        return parse_size(text, "size", allow_none=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 64MiB, 1GiB)") from None
+
+
+def _rounds(text: str) -> int:
+    """argparse type of --rounds: an int >= 1 (0 used to mean the default, -1 crashed)."""
+    try:
+        rounds = int(text)
+    except ValueError:
+        rounds = 0
+    if rounds < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of rounds >= 1")
+    return rounds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=ROOT,
                    help="directory on the disk to measure (a temporary directory is made inside "
                         "it and removed); default: the repository's directory")
-    p.add_argument("--size", default=None, help="bytes per contender and round (default 1GiB)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds; the median is reported "
+    p.add_argument("--size", type=_size, default=None,
+                   help="bytes per contender and round, a multiple of 1MiB (default 1GiB)")
+    p.add_argument("--rounds", type=_rounds, default=None, help="rounds; the median is reported "
                    "(default 5)")
-    p.add_argument("--request", default="64MiB",
+    p.add_argument("--request", type=_size, default="64MiB",
                    help="hetero's request size (the runtime's chunk size; default 64MiB)")
     p.add_argument("--quick", action="store_true", help="256MiB and 3 rounds")
     p.add_argument("--only", nargs="+", choices=["fio", "hetero", "python", "aiofiles"],
@@ -245,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
 
-    size = parse_size(args.size or ("256MiB" if args.quick else "1GiB"), "--size")
-    request = parse_size(args.request, "--request")
+    size = args.size or (256 << 20 if args.quick else 1 << 30)
+    request = args.request
     rounds = args.rounds or (3 if args.quick else 5)
     if size % BLOCK or request % engine.ALIGNMENT:
         p.error("--size must be a multiple of 1 MiB and --request of 4 KiB")
