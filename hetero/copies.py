@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from hetero.native import ERROR as EXTENSION_ERROR, _C
+from hetero.native import ERROR as EXTENSION_ERROR, _C, register_engine
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class CopyEngine:
             self.backend = "python"
             _log_fallback(why, forced)
         self.num_threads, self.inline_bytes = num_threads, inline_bytes
+        register_engine(self)  # (in a forked child, refused and never destroyed)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *,
              after_stream: int | Any | None = None) -> CopyHandle:

@@ -99,7 +99,7 @@ import torch
 
 from hetero.errors import HeteroConfigError, HeteroIOError
 
-from hetero.native import ERROR as EXTENSION_ERROR, _C
+from hetero.native import ERROR as EXTENSION_ERROR, _C, register_engine
 
 log = logging.getLogger(__name__)
 
@@ -690,6 +690,7 @@ class SwapIO:
                 self.tuning = Tuning(bs, qd, "override")
             elif autotune is False:
                 self.tuning = Tuning(bs, qd, "default")
+        register_engine(self)  # (in a forked child, refused and never destroyed)
 
     @property
     def block_size(self) -> int:

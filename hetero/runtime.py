@@ -49,6 +49,7 @@ import heapq
 import itertools
 import logging
 import math
+import os
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -129,6 +130,7 @@ class Runtime:
         self._last_at = -1  # when the postponed work that ran (runs) last was postponed
         self._failure: Optional[BaseException] = None  # found by a release, raised by the next pump
         self.closed = False  # (close(): nothing may move any more)
+        self._pid = os.getpid()  # a forked child has none of this process's I/O threads
 
     @classmethod
     def for_chunks(cls, cfg: Config, chunks: Sequence[Chunk], policy: Policy) -> "Runtime":
@@ -470,12 +472,21 @@ class Runtime:
             raise HeteroStateError("this model was closed (HeteroModule.close()): its state can no "
                                    "longer be read, moved or trained; expected no use of the model "
                                    "or its optimizer after close() (wrap the module again instead)")
+        if os.getpid() != self._pid:
+            raise HeteroStateError(
+                f"this model was wrapped in process {self._pid}, and this is a child forked from it "
+                "(os.fork, a fork-started worker): the threads that move its state exist only in "
+                "the parent; expected the model used in the process that wrapped it (wrap one in "
+                "the child, or start workers with the 'spawn' method)")
 
     @critical
     def close(self) -> None:
         """Drain, drop what is still postponed and remove the swap files; every later use of
-        the model's state raises HeteroStateError. Idempotent."""
+        the model's state raises HeteroStateError. Idempotent. In a forked child it only
+        marks the model closed: the swap files and the threads are the parent's."""
         self.closed = True
+        if os.getpid() != self._pid:
+            return
         if self._postponed:  # nothing can read the model once its swap files are gone
             log.debug("hetero: closing with %d postponed update(s) not run", len(self._postponed))
             self._postponed.clear()

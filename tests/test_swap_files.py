@@ -487,3 +487,70 @@ def test_a_wrap_the_disk_cannot_hold_gives_its_space_back(tmp_path):
         opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
         train(wrapped, opt)
         wrapped.close()
+
+
+FORK_SCRIPT = textwrap.dedent("""
+    import gc, os, sys
+    import torch
+    import hetero
+    from models import GPT, batches, state_bytes
+
+    nvme_path, action = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, n_layer=2)
+    total = state_bytes(model)
+    model = hetero.wrap(model, device="cpu", device_budget=int(total * 0.20), host_budget=int(total * 0.30),
+                        nvme_path=nvme_path, nvme_budget=4 * total, chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(3)
+
+    def step(x, y):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(*data[0])
+    pid = os.fork()
+    if pid == 0:  # the child leaves through the interpreter's exit: handlers and finalizers run
+        if action == "use":
+            try:
+                step(*data[1])
+            except hetero.HeteroStateError as exc:
+                assert "forked" in str(exc), exc
+            else:
+                sys.exit(3)
+        elif action == "drop":
+            del model, opt
+            gc.collect()
+        elif action == "close":
+            model.close()
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+    step(*data[1])  # the parent trains on, its swap intact
+    print("PARENT OK", flush=True)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
+def test_a_forked_child_exits_cleanly_and_cannot_use_the_parents_model(tmp_path):
+    """The engines' threads exist only in the parent: a child forked from it (exiting normally,
+    so that its finalizers run) crashed or hung joining them, and a forward there hung. Now
+    the child exits at once, its use of the model raises, and the parent goes on."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    procs = {}
+    for action in ("exit", "drop", "close", "use"):
+        path = tmp_path / action
+        path.mkdir()
+        procs[action] = (path, subprocess.Popen([sys.executable, "-c", FORK_SCRIPT, str(path), action], env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for action, (path, proc) in procs.items():
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"{action}: hung\n{out}\n{err}")
+        assert proc.returncode == 0 and "CHILD 0" in out and "PARENT OK" in out, f"{action}:\n{out}\n{err}"
+        assert not swap_dirs(path), f"{action}: the parent's swap was left behind"
