@@ -195,3 +195,37 @@ def test_step_after_close_raises_even_without_gradients(tight: dict) -> None:
     wrapped.close()
     with pytest.raises(hetero.HeteroStateError, match="closed"):
         opt.step()
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_grad_scaler_matches_torch_s_with_skipped_steps(tight: dict, clip: bool) -> None:
+    """hetero.optim.GradScaler as torch.amp.GradScaler: the same scale, unscale (before a clip
+    too), steps skipped where a gradient is inf (batch 2 here) and the scale's backoff."""
+    eager, eopt, wrapped, hopt = pair(tight)
+    scalers = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2),
+               hetero.optim.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2))
+    for i, (x, y) in enumerate(batches(5, seed=4)):
+        for model, opt, scaler in ((eager, eopt, scalers[0]), (wrapped, hopt, scalers[1])):
+            loss = loss_of(model(x, y)) * (float("inf") if i == 2 else 1.0)
+            scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(opt)
+                (torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) if model is eager
+                 else model.clip_grad_norm_(0.5))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert scalers[1].get_scale() == scalers[0].get_scale()
+    assert_same_model(eager, wrapped)
+    assert float(hopt.state_dict()["state"][0]["step"]) == float(eopt.state_dict()["state"][0]["step"]) == 4
+
+
+def test_torch_s_grad_scaler_does_not_see_hetero_gradients(tight: dict) -> None:
+    """(documented: use hetero.optim.GradScaler)"""
+    wrapped = hetero.wrap(make(), **tight)
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = batches(1)[0]
+    scaler.scale(loss_of(wrapped(x, y))).backward()
+    with pytest.raises(AssertionError, match="No inf checks"):
+        scaler.step(opt)

@@ -1,0 +1,68 @@
+"""Loss scaling (fp16 training) for hetero's optimizers: ``torch.amp.GradScaler`` that finds the
+gradients where hetero keeps them.
+
+torch's scaler unscales and checks ``param.grad``, which hetero leaves None (gradients live in
+grad blocks, on whatever tier holds them), so with a hetero optimizer it finds no gradient and
+fails ("No inf checks were recorded"). :class:`GradScaler` replaces the one method that looks
+for them: the check reads each chunk's gradient where it lives, and the unscale is a pending
+per-chunk scale applied where the gradient is next read (the optimizer's kernel, the next
+clip), one multiply as torch's in-place unscale makes, so the results are the same and the
+unscale itself moves and writes nothing. Everything else (the scale's growth and backoff,
+skipping a step with inf/NaN gradients, ``unscale_`` before clipping, state dicts) is torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..chunks import GRAD
+from ..errors import HeteroStateError
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for :mod:`hetero.optim` optimizers (the same arguments; other
+    optimizers are handled as torch's). Use it as torch's::
+
+        scaler = hetero.optim.GradScaler("cuda")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt); model.clip_grad_norm_(1.0)   # optional
+        scaler.step(opt); scaler.update(); opt.zero_grad()
+    """
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        state = getattr(optimizer, "_state", None) if getattr(optimizer, "_hetero", False) else None
+        if state is None:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        # (fp16 gradients are fine: the pending scale is applied in fp32 where they are read)
+        ours = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        rt = state.runtime
+        bad = torch.zeros((), dtype=torch.bool)
+        for chunk in state.chunks:
+            slots = [s for s in chunk.slots if s.has_grad and id(s.param) in ours]
+            if not slots or GRAD not in chunk.blocks or not chunk.blocks[GRAD].tiers:
+                continue
+            if any(s.has_grad and id(s.param) not in ours for s in chunk.slots):
+                raise HeteroStateError(
+                    f"{chunk.blocks[GRAD].chunk_id} holds gradients of parameters this optimizer "
+                    "does not step: a chunk's pending unscale would apply to both; expected "
+                    "hetero.optim.GradScaler with one optimizer over the model's trainable parameters")
+            block = chunk.blocks[GRAD]
+            tier = rt.working_tier(block)
+            rt.acquire([block], tier, record=False)
+            try:
+                flat = rt.data(block, tier)
+                for s in slots:
+                    bad |= ~torch.isfinite(s.slice(flat)).all().cpu()
+            finally:
+                rt.release([block], tier)
+            scale = inv_scale.to(torch.float32)
+            chunk.grad_scale = scale if chunk.grad_scale is None else chunk.grad_scale * scale
+        found_inf += bad.to(found_inf.device, found_inf.dtype)
+        return {found_inf.device: found_inf}
+
+    def __repr__(self) -> str:
+        return f"hetero.optim.GradScaler(scale={self.get_scale()})"
+
+
+__all__ = ["GradScaler"]
