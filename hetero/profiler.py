@@ -69,7 +69,10 @@ class Report:
             "step_stall_seconds": tr.step_stall + [0.0] * (tr.step - len(tr.step_stall)),
             "tiers": {name: t.as_dict() for name, t in rt.tiers.items()},
             "traffic": dict(tr.traffic),
-            "step_traffic": [dict(t) for t in tr.step_traffic],  # the same, per step
+            # the same, per step (as step_stall_seconds: an entry per step, one more where
+            # transfers after the last step's end moved bytes)
+            "step_traffic": [dict(t) for t in tr.step_traffic] + [
+                {d: 0 for d in tr.traffic} for _ in range(tr.step - len(tr.step_traffic))],
             "blocks": blocks,
             "misses": tr.misses,
             "prefetch": {"issued": tr.prefetch_issued, "hits": tr.prefetch_hits},
@@ -189,8 +192,9 @@ class Report:
     def to_chrome_trace(self, path: str) -> None:
         """Chrome/Perfetto trace (JSON, microseconds): compute (each wrapped unit's forward,
         backward and activation-checkpointing recompute, nested as the units are, and the
-        optimizer's steps), stalls (waits for a block), moves (one track per direction) and the
-        bytes used per tier as counters."""
+        optimizer's steps), stalls (waits for a block), moves (tracks per direction, as many as
+        its transfers overlap: spans on one track never overlap) and the bytes used per tier as
+        counters."""
         compute, stall = 1, 2
         tids = {"compute": compute, "stalls": stall}
         events: list[dict[str, Any]] = []
@@ -203,9 +207,18 @@ class Report:
             span(f"{phase} {what or '(root)'}", "compute", compute, start, end, unit=what, phase=phase)
         for start, end, block in self.stalls:
             span(f"stall {block}", "stall", stall, start, end, block=block)
-        for m in self.moves:
+        lanes: dict[str, list[float]] = {}  # per direction, when each of its tracks is free again
+        for m in sorted(self.moves, key=lambda m: m.start):
+            # Transfers of one direction overlap in time, and spans on one track must nest:
+            # each goes on the first track of its direction that is free by its start.
             direction = f"{m.src}->{m.dst}"
-            span(m.block, "move", tids.setdefault(direction, len(tids) + 1), m.start, m.end,
+            ends = lanes.setdefault(direction, [])
+            lane = next((i for i, end in enumerate(ends) if end <= m.start), len(ends))
+            if lane == len(ends):
+                ends.append(m.end)
+            ends[lane] = m.end
+            name = direction if lane == 0 else f"{direction} #{lane + 1}"
+            span(m.block, "move", tids.setdefault(name, len(tids) + 1), m.start, m.end,
                  bytes=m.bytes, direction=direction, prefetch=m.prefetch)
         for t, tier, used in self.usage:
             events.append({"name": f"{tier} bytes", "cat": "usage", "ph": "C", "pid": 1, "ts": t * 1e6,

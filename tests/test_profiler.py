@@ -93,6 +93,13 @@ def test_the_trace_has_compute_units_stalls_moves_and_tier_counters(report, tmp_
             assert s2 >= e1 - 1e-3 or e2 <= e1 + 1e-3, f"spans {s1}-{e1} and {s2}-{e2} overlap"
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"compute", "stalls", "host->device"} <= names
+    moves: dict[int, list[tuple[float, float]]] = {}  # concurrent transfers: on tracks of their own
+    for e in by_cat["move"]:
+        moves.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    assert len(moves) > 4  # (some overlapped)
+    for track in moves.values():
+        track.sort()
+        assert all(s2 >= e1 - 1e-3 for (_, e1), (s2, _) in zip(track, track[1:]))
 
 
 def test_the_plot_is_a_png_with_the_stalls_marked(report, tmp_path) -> None:
@@ -200,3 +207,17 @@ def test_log_steps_bounds_the_logs_and_changes_nothing_else(tmp_path) -> None:
     assert full.simulate().traffic == full.as_dict()["traffic"]
     with pytest.raises(hetero.HeteroConfigError, match="log_steps"):
         hetero.wrap(torch.nn.Linear(2, 2), device="cpu", log_steps=0)
+
+
+def test_step_traffic_has_an_entry_per_step() -> None:
+    """Also where the last steps moved nothing (here: nothing ever moves, no budget)."""
+    torch.manual_seed(0)
+    model = hetero.wrap(GPT(), device="cpu")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches(3):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    d = model.placement_report().as_dict()
+    assert len(d["step_traffic"]) == len(d["step_stall_seconds"]) == d["steps"] == 3
+    assert all(v == 0 for t in d["step_traffic"] for v in t.values())
