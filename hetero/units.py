@@ -47,6 +47,9 @@ class Unit:
     # gradients are in, its backward is done. (A frozen one may still be on the path of
     # gradients to other units' parameters after that.)
     trainable: frozenset[int] = frozenset()
+    # Modules in its sub-tree, not units themselves, that hold its parameters: each called on
+    # its own acts as a call of the unit (see _register_direct_hooks).
+    holders: list[nn.Module] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
@@ -133,21 +136,31 @@ def select_units(root: nn.Module, policy: Callable[..., bool]) -> list[tuple[str
 
 def unit_params(units: list[tuple[str, nn.Module]]) -> list[list[tuple[nn.Parameter, str]]]:
     """For each unit, the parameters it uses directly (not through a nested unit), with names."""
+    return [[(p, name) for p, name, _ in _owned(units, module, prefix)] for prefix, module in units]
+
+
+def unit_holders(units: list[tuple[str, nn.Module]]) -> list[list[nn.Module]]:
+    """For each unit, the modules of its sub-tree, units neither, that hold its parameters."""
+    return [list({id(m): m for _, _, m in _owned(units, module, prefix) if m is not module}.values())
+            for prefix, module in units]
+
+
+def _owned(units: list[tuple[str, nn.Module]], module: nn.Module,
+           name: str) -> list[tuple[nn.Parameter, str, nn.Module]]:
+    """The parameters of unit ``module`` (not those of a nested unit): each with its name and
+    the module holding it."""
     unit_ids = {id(m) for _, m in units}
-    result = []
-    for name, module in units:
-        found: list[tuple[nn.Parameter, str]] = []
+    found: list[tuple[nn.Parameter, str, nn.Module]] = []
 
-        def visit(prefix: str, m: nn.Module) -> None:
-            for pname, p in m.named_parameters(recurse=False):
-                found.append((p, f"{prefix}{pname}"))
-            for cname, c in m.named_children():
-                if id(c) not in unit_ids:
-                    visit(f"{prefix}{cname}.", c)
+    def visit(prefix: str, m: nn.Module) -> None:
+        for pname, p in m.named_parameters(recurse=False):
+            found.append((p, f"{prefix}{pname}", m))
+        for cname, c in m.named_children():
+            if id(c) not in unit_ids:
+                visit(f"{prefix}{cname}.", c)
 
-        visit(f"{name}." if name else "", module)
-        result.append(found)
-    return result
+    visit(f"{name}." if name else "", module)
+    return found
 
 
 def _map_tensors(fn: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]], tree: Any,
@@ -266,6 +279,29 @@ def register_hooks(state_ref: StateRef, unit: Unit) -> None:
     # First: forward pre-hooks the model already had (weight_norm's, pruning's) read parameters.
     unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True)
     unit.module.register_forward_hook(post_forward)
+    for module in unit.holders:
+        _register_direct_hooks(unit, module, pre_forward, post_forward)
+
+
+def _register_direct_hooks(unit: Unit, module: nn.Module, pre_forward: Callable[..., Any],
+                           post_forward: Callable[..., Any]) -> None:
+    """``module`` holds parameters of ``unit`` without being it. Called on its own, outside the
+    unit's forward and backward (HF's ``generate()`` runs an encoder-decoder's encoder so, and
+    user code calls ``get_input_embeddings()``), it is a call of the unit, which fetches the
+    unit's blocks (else its parameters read as NaN); inside them it costs one check."""
+    acted: list[bool] = []  # per open call of ``module``: whether it was the unit's
+
+    @critical
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        acted.append(not (unit.calls or unit.backward_pins))
+        return pre_forward(mod, args, kwargs) if acted[-1] else None
+
+    @critical
+    def post(mod: nn.Module, args: tuple, output: Any) -> Any:
+        return post_forward(mod, args, output) if acted.pop() else None
+
+    module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    module.register_forward_hook(post)
 
 
 def unit_blocks(chunks_of_params: list[Optional[Block]]) -> list[Block]:

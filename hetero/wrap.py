@@ -29,7 +29,7 @@ from .policies import claim, make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
 from .tiers import DEVICE, slot_size_for, slots_for
 from .units import (Call, Unit, default_auto_wrap_policy, fsdp_policy, register_hooks, select_units, unit_blocks,
-                    unit_params)
+                    unit_holders, unit_params)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .profiler import Report
@@ -731,8 +731,9 @@ def wrap(
     param_block = {id(s.param): c.blocks[PARAM] for c in chunks for s in c.slots}
     units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]),
                   trainable=frozenset(id(p) for p, _ in found)
-                  if found and all(p.requires_grad for p, _ in found) else frozenset())
-             for i, ((name, m), found) in enumerate(zip(chosen, per_unit))]
+                  if found and all(p.requires_grad for p, _ in found) else frozenset(),
+                  holders=holders)
+             for i, ((name, m), found, holders) in enumerate(zip(chosen, per_unit, unit_holders(chosen)))]
     parents = _parents(chosen)
     _check_budgets(cfg, units, parents, chunks)
     if cfg.param_init_fn is None:
@@ -775,6 +776,7 @@ def wrap(
     ref = weakref.ref(state)
     for unit in units:
         register_hooks(ref, unit)
+    module.register_state_dict_post_hook(_module_state_dict_hook(ref))
     for c in chunks:
         for s in c.slots:
             _MANAGED[s.param] = ref
@@ -784,6 +786,24 @@ def wrap(
              len(units), len(chunks), format_size(sum(c.blocks[PARAM].nbytes for c in chunks)),
              format_size(cfg.device_budget), format_size(cfg.host_budget), format_size(cfg.nvme_budget))
     return HeteroModule(module, state)
+
+
+def _module_state_dict_hook(ref: "weakref.ref[HeteroState]") -> Callable[..., None]:
+    """The wrapped module's own ``state_dict()`` (the object passed to ``wrap``, and HF's
+    ``save_pretrained``, which calls it) has the parameters' values, not the NaN placeholders
+    they point at while off the device: each is replaced by a copy of its value, as
+    ``HeteroModule.state_dict()`` gives it (whose own call, summoned already, needs nothing)."""
+    @critical
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        state = ref()
+        if state is None or state.summoned:
+            return
+        with state.full_params(writeback=False):
+            for name, p in module.named_parameters():
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = p.detach().clone()
+
+    return hook
 
 
 def _grad_hook(ref: "weakref.ref[HeteroState]") -> Callable[[nn.Parameter], None]:

@@ -216,3 +216,47 @@ def test_parameters_changed_in_place_by_a_forward_keep_the_change(tmp_path, nvme
     assert_same_model(eager, wrapped)
     eager, wrapped = _train_both(Net, data, **kw)
     assert_same_model(eager, wrapped)
+
+
+class _EncoderDecoder(nn.Module):
+    """The root holds the embedding and a final norm; ``encode`` (as HF's get_encoder() for
+    generate()) runs them and the blocks without the root's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(3)])
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 64)
+
+    def encode(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.norm(x)
+
+    def forward(self, idx):
+        return self.head(self.encode(idx))
+
+
+def test_modules_of_a_unit_called_on_their_own_fetch_its_parameters() -> None:
+    """Called outside their unit's forward (HF's encoder-decoder generate(), get_input_embeddings()
+    (ids)), the root's embedding and norm read NaN; they now act as a call of their unit."""
+    torch.manual_seed(0)
+    eager = _EncoderDecoder()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", device_budget=30_000, chunk_size="2KiB")
+    idx = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped.module.embed(idx), eager.embed(idx))
+        torch.testing.assert_close(wrapped.module.encode(idx), eager.encode(idx))
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for model, opt in ((eager, eopt), (wrapped, hopt)):  # training through the direct calls too
+        for _ in range(2):
+            m = model.module if isinstance(model, hetero.HeteroModule) else model
+            m.encode(idx).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(idx), eager(idx))
