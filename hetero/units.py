@@ -43,9 +43,8 @@ class Unit:
     param_blocks: list[Block] = dataclasses.field(default_factory=list)
     calls: list["Call"] = dataclasses.field(default_factory=list)  # open forward calls (a stack)
     backward_pins: int = 0  # calls whose backward currently holds the param blocks
-    # Ids of its own parameters, where all of them require grad (else empty): once their
-    # gradients are in, its backward is done. (A frozen one may still be on the path of
-    # gradients to other units' parameters after that.)
+    # Ids of its own trainable parameters, where their gradients end its backward (all of its
+    # own are trainable, or it holds no other unit; else empty: wrap._done_by).
     trainable: frozenset[int] = frozenset()
     # Modules in its sub-tree, not units themselves, that hold its parameters: each called on
     # its own acts as a call of the unit (see _register_direct_hooks).

@@ -503,6 +503,16 @@ class HeteroModule(nn.Module):
 # ------------------------------------------------------------------------------ wrap
 
 
+def _done_by(found: list[tuple[nn.Parameter, str]], leaf: bool) -> frozenset[int]:
+    """The parameters whose gradients end a unit's backward when its inputs need none
+    (:attr:`Unit.trainable`): its trainable ones, where all are trainable, or where it holds
+    no other unit (a leaf: nothing in it is on the gradients' way anywhere else then, so a
+    frozen layer of its own, a LoRA base weight, is not needed after them). Empty otherwise:
+    a frozen layer of a unit that holds others may lie between them."""
+    mine = frozenset(id(p) for p, _ in found if p.requires_grad)
+    return mine if mine and (leaf or len(mine) == len(found)) else frozenset()
+
+
 def _versions(blocks: list[Block]) -> int:
     """The version counters of the parameters of param ``blocks``, summed: they only grow, so
     the sum changes exactly when one of them was updated in place."""
@@ -729,12 +739,10 @@ def wrap(
                   compute_dtype=mp.param_dtype if mp else None,
                   grad_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None)
     param_block = {id(s.param): c.blocks[PARAM] for c in chunks for s in c.slots}
-    units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]),
-                  trainable=frozenset(id(p) for p, _ in found)
-                  if found and all(p.requires_grad for p, _ in found) else frozenset(),
-                  holders=holders)
-             for i, ((name, m), found, holders) in enumerate(zip(chosen, per_unit, unit_holders(chosen)))]
     parents = _parents(chosen)
+    units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]),
+                  trainable=_done_by(found, leaf=i not in parents), holders=holders)
+             for i, ((name, m), found, holders) in enumerate(zip(chosen, per_unit, unit_holders(chosen)))]
     _check_budgets(cfg, units, parents, chunks)
     if cfg.param_init_fn is None:
         for name, m in module.named_modules():

@@ -595,6 +595,54 @@ def test_units_whose_inputs_need_no_grad_train_at_the_minimum_budget() -> None:
     wrapped.close()
 
 
+class _LoraTowers(torch.nn.Module):
+    """Towers fed the raw input, each a leaf unit with a frozen base layer beside a trainable one
+    (LoRA's shape), in both orders."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, frozen_first: bool) -> None:
+            super().__init__()
+            self.w = torch.nn.Linear(32, 32)
+            self.f = torch.nn.Linear(32, 32).requires_grad_(False)
+            self.frozen_first = frozen_first
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.w(self.f(x)) if self.frozen_first else self.f(self.w(x)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([self.Block(i % 2 == 0) for i in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in self.layers).pow(2).mean()
+
+
+def test_leaf_units_with_frozen_layers_are_let_go_at_their_last_gradient() -> None:
+    """A unit holding no other unit needs its frozen layers no more once its trainable
+    parameters' gradients are in: four such towers pinned to the end of the pass exceeded
+    the minimum device budget wrap names (HeteroOOMError in the first backward)."""
+    from hetero.wrap import minimum_budgets
+
+    torch.manual_seed(0)
+    eager = _LoraTowers()
+    probe = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="4KiB")
+    device_min, _ = minimum_budgets(probe, False)
+    probe.close()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", device_budget=device_min, chunk_size="4KiB")
+    eopt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
+    hopt = hetero.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 32)
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+    assert_within_budgets(wrapped)
+    wrapped.close()
+
+
 class _FrozenMiddle(torch.nn.Module):
     """The root's own parameters: a frozen layer between two units, then a trainable head."""
 
