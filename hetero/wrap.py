@@ -27,7 +27,7 @@ from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .interrupts import critical, install as install_interrupts
 from .policies import claim, make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
-from .tiers import DEVICE, slot_size_for, slots_for
+from .tiers import DEVICE, slot_cost, slot_size_for, slots_for
 from .units import (Call, Unit, default_auto_wrap_policy, fsdp_policy, register_hooks, select_units, unit_blocks,
                     unit_holders, unit_params)
 
@@ -604,15 +604,22 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             f"host_budget={cfg.host_budget} ({format_size(cfg.host_budget)}) is too small: the host "
             f"tier stages blocks to and from NVMe and runs the optimizer step of a chunk, which needs "
             f"{host_min} bytes ({format_size(host_min)}); pass host_budget>={host_min} or a smaller chunk_size")
-    total = sum(b.nbytes for c in chunks for b in c.blocks.values())
-    capacity = cfg.device_budget + cfg.host_budget + cfg.nvme_budget
-    if total > capacity:
-        nvme = cfg.nvme_path is not None
+    # As the optimizer's check (Adam._check_capacity) counts: below the device each block takes
+    # whole slots, or units of a shared one, and the budgets hold whole slots.
+    sizes = [b.nbytes for c in chunks for b in c.blocks.values()]
+    slot = slot_size_for(cfg.chunk_size, expected_block_bytes(chunks))
+    total = sum(sizes)
+    if total > cfg.device_budget:
+        total = sum(slot_cost(n, slot) for n in sizes)
+    nvme = cfg.nvme_path is not None
+    held = {"device": cfg.device_budget, "host": cfg.host_budget // slot * slot}
+    if nvme:
+        held["nvme"] = cfg.nvme_budget // slot * slot
+    if total > sum(held.values()):
         raise HeteroOOMError(
-            f"the model's parameters and gradients need {exact_size(total)} but the tiers hold "
-            f"{exact_size(capacity)} (device {exact_size(cfg.device_budget)}, host "
-            f"{exact_size(cfg.host_budget)}" + (f", nvme {exact_size(cfg.nvme_budget)}" if nvme else "")
-            + f"); {raise_budget_advice(nvme)}")
+            f"the model's parameters and gradients need {exact_size(total)} (below the device in "
+            f"{format_size(slot)} slots) but the tiers hold {exact_size(sum(held.values()))} "
+            f"({', '.join(f'{n} {exact_size(b)}' for n, b in held.items())}); {raise_budget_advice(nvme)}")
 
 
 def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
