@@ -42,8 +42,8 @@ def install() -> None:
     """Defer SIGINT inside hetero's calls from now on (from the main thread; elsewhere, or
     where SIGINT is ignored or kills, nothing is changed)."""
     global _previous
-    if threading.current_thread() is not threading.main_thread():
-        return
+    if _previous is not None or threading.current_thread() is not threading.main_thread():
+        return  # once per process: a handler set since may chain to ours (a loop if ours chained it)
     current = signal.getsignal(signal.SIGINT)
     if current is _handler or not callable(current):
         return

@@ -814,9 +814,10 @@ def _module_state_dict_hook(ref: "weakref.ref[HeteroState]") -> Callable[..., No
         if state is None or state.summoned:
             return
         with state.full_params(writeback=False):
-            for name, p in module.named_parameters():
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = p.detach().clone()
+            for name, p in module.named_parameters(remove_duplicate=False):  # (tied: each name)
+                key = prefix + name
+                if key in state_dict and state_dict[key] is not p:  # (keep_vars: the objects)
+                    state_dict[key] = p.detach().clone()
 
     return hook
 

@@ -260,3 +260,24 @@ def test_modules_of_a_unit_called_on_their_own_fetch_its_parameters() -> None:
     assert_same_model(eager, wrapped)
     with torch.no_grad():
         torch.testing.assert_close(wrapped(idx), eager(idx))
+
+
+def test_the_wrapped_module_s_own_state_dict_has_the_values_under_every_tied_name() -> None:
+    from models import GPT  # tied embedding and head
+
+    torch.manual_seed(0)
+    eager = GPT()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", device_budget=80_000, chunk_size="4KiB")
+    x = torch.randint(0, 64, (2, 8))
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for model, o in ((eager, eopt), (wrapped, opt)):
+        model(x, x).backward()
+        o.step()  # (the root's blocks leave the device: its parameters point at the placeholder)
+        o.zero_grad()
+    own, want = wrapped.module.state_dict(), eager.state_dict()
+    assert own.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(own[k], want[k], msg=lambda m: f"{k}: {m}")
+    kept = wrapped.module.state_dict(keep_vars=True)  # torch's contract: the parameters themselves
+    assert all(kept[n] is p for n, p in wrapped.module.named_parameters(remove_duplicate=False))

@@ -71,3 +71,31 @@ def test_sigint_inside_a_transfer_issue_leaves_the_runtime_whole(tmp_path, monke
     for k, v in _eager_state(applied).items():
         torch.testing.assert_close(final[k], v, msg=lambda m: f"{k}: {m}")
     model.close()
+
+
+def test_a_program_handler_chaining_ours_then_another_wrap_does_not_loop(tmp_path) -> None:
+    """A program's handler set after wrap that calls the one it found (ours), then a second wrap:
+    installing again made ours call the program's, which called ours, to a RecursionError."""
+    import hetero.interrupts as interrupts
+
+    first = hetero.wrap(make(), device="cpu")
+    previous = signal.getsignal(signal.SIGINT)
+    calls = []
+
+    def program(signum, frame):
+        calls.append(signum)
+        return previous(signum, frame)
+
+    signal.signal(signal.SIGINT, program)
+    try:
+        second = hetero.wrap(make(), device="cpu")
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(100):  # (the handler runs at a bytecode boundary)
+                pass
+        assert len(calls) == 1
+        second.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        first.close()
+    assert interrupts._previous is not None
