@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.utils._pytree as pytree
@@ -78,6 +78,7 @@ class HeteroState:
 
     @critical
     def pre_forward(self, unit: Unit) -> Call:
+        _refuse_transforms()
         if torch._C._current_graph_task_id() == -1:  # a real forward
             self.runtime.acquire(unit.param_blocks)
             return Call(unit, forward_pinned=True, forward_start=self.runtime.tracker.now(),
@@ -194,6 +195,38 @@ class HeteroState:
             if not call.waiting:  # the unit's backward is done (see pre_backward)
                 self._end_backward(call)
 
+    def adopt_grads(self, params: Iterable[nn.Parameter]) -> None:
+        """Move gradients assigned to ``param.grad`` outside a backward (a hand-computed one, or
+        the zeros torch.distributed.checkpoint's ``get_state_dict`` assigns to make a fresh
+        optimizer's state) into the grad blocks, where the optimizer, ``clip_grad_norm_`` and
+        the scaler read gradients: as assigning ``param.grad`` in torch, it replaces the
+        parameter's gradient. (A backward's own gradients never stay in ``param.grad``.)"""
+        by_chunk: dict[int, tuple[Chunk, list[tuple[nn.Parameter, ParamSlot]]]] = {}
+        for p in params:
+            if p.grad is None or id(p) not in self.slot_of:
+                continue
+            chunk, slot = self.slot_of[id(p)]
+            if not chunk.requires_grad:
+                raise HeteroStateError(
+                    f"parameter {slot.names[0]!r} has a gradient assigned to .grad, but it was frozen "
+                    "(requires_grad=False) when hetero.wrap packed it into a chunk without gradients; "
+                    "expected requires_grad set before hetero.wrap for parameters that get gradients")
+            by_chunk.setdefault(chunk.index, (chunk, []))[1].append((p, slot))
+        for chunk, items in by_chunk.values():
+            block = chunk.blocks[GRAD]
+            self.runtime.acquire([block], DEVICE, write=True)  # (created zero-filled on first use)
+            try:
+                with torch.no_grad():
+                    if chunk.grad_scale is not None:  # a pending clip or unscale of the others
+                        block.device.mul_(chunk.grad_scale.to(block.device.device))
+                        chunk.grad_scale = None
+                    for p, slot in items:
+                        slot.slice(block.device).copy_(p.grad)
+                        slot.has_grad = True
+                        p.grad = None
+            finally:
+                self.runtime.release([block], DEVICE)
+
     def release_grad_pin(self) -> None:
         """Let the grad block being accumulated into go (it may be evicted again)."""
         if self._grad_pin is not None:
@@ -206,9 +239,16 @@ class HeteroState:
     @critical
     def zero_grad(self, params: Optional[set[int]], set_to_none: bool) -> None:
         """Clear the gradients of the parameters whose ids are in ``params`` (None: all), in
-        their grad blocks (``param.grad`` stays None: the blocks hold the gradients)."""
+        their grad blocks, and any assigned to ``param.grad`` (:meth:`adopt_grads`)."""
         self.runtime.check_open()
         self.drop_stale_pins()
+        assigned = [s.param for c in self.chunks for s in c.slots
+                    if s.param.grad is not None and (params is None or id(s.param) in params)]
+        if set_to_none:
+            for p in assigned:
+                p.grad = None
+        else:
+            self.adopt_grads(assigned)
         for chunk in self.chunks:
             if not chunk.requires_grad:
                 continue
@@ -350,6 +390,7 @@ class HeteroModule(nn.Module):
         if mp is not None and mp.param_dtype is not None:  # as FSDP: cast floating inputs at the root
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
+        _refuse_transforms()
         self._hetero_state.drop_stale_pins()  # (not in a checkpoint's re-run of the root inside backward)
         try:
             return self.module(*args, **kwargs)
@@ -487,6 +528,7 @@ class HeteroModule(nn.Module):
         from .optim.clip import clip_grad_norm_  # the optimizer package owns gradient math
 
         self._hetero_state.drop_stale_pins()
+        self._hetero_state.adopt_grads(self.module.parameters())
         return clip_grad_norm_(self._hetero_state, self.module.parameters(), max_norm, norm_type)
 
     def placement_report(self) -> "Report":
@@ -517,6 +559,32 @@ def _versions(blocks: list[Block]) -> int:
     """The version counters of the parameters of param ``blocks``, summed: they only grow, so
     the sum changes exactly when one of them was updated in place."""
     return sum(s.param._version for b in blocks for s in b.chunk.slots)
+
+
+def _refuse_transforms() -> None:
+    """torch.func's transforms (grad, vmap, jacrev, functional_call under grad) cannot run through
+    the hooks that fetch and release units; refused before anything is fetched (a transform's
+    failure inside them left the model unusable: a later forward crashed the process)."""
+    if torch._C._are_functorch_transforms_active():
+        raise HeteroStateError(
+            "torch.func transforms (grad, vmap, jacrev, jvp, ...) are not supported through a "
+            "HeteroModule: its units are fetched and released by hooks those transforms cannot "
+            "run; expected loss.backward() or torch.autograd.grad for gradients")
+
+
+def _check_params(module: nn.Module) -> None:
+    """Refuse what chunks cannot hold: parameters that are not floating-point or complex
+    (chunks are NaN-filled at rest), and sparse gradients (grad blocks are dense)."""
+    for name, p in module.named_parameters():
+        if not (p.is_floating_point() or p.is_complex()):
+            raise HeteroConfigError(
+                f"parameter {name!r} has dtype {p.dtype}; hetero.wrap manages floating-point and complex "
+                "parameters; expected a tensor of another dtype as a buffer (register_buffer)")
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise HeteroConfigError(
+                f"module {name or type(m).__name__!r} has sparse=True: its gradients are sparse, and "
+                "hetero keeps gradients in dense blocks; expected sparse=False")
 
 
 def _check_process_group(process_group: Any) -> None:
@@ -718,6 +786,7 @@ def wrap(
         raise HeteroConfigError(f"module has parameters on {module.get_parameter(bad[0]).device} "
                                 f"({bad[0]!r}); expected a module on the CPU or the meta device")
     _check_process_group(cfg.process_group)
+    _check_params(module)
     if any(state_of(p) is not None for p in module.parameters()):
         raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
 

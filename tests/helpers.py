@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import hetero
+from models import GPT, state_bytes
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, hetero.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -24,6 +25,21 @@ class SettleAll(hetero.policies.Auto):
 
     def settle(self, block, capacity):
         return "device" if block.kind in ("exp_avg", "exp_avg_sq") else None
+
+
+def seeded_gpt() -> GPT:
+    """The tests' default GPT, initialized from seed 0 (the same weights every call)."""
+    torch.manual_seed(0)
+    return GPT()
+
+
+def tight_budgets(kind: str, tmp_path: Any) -> dict:
+    """wrap() kwargs whose budgets force movement in :func:`seeded_gpt`: ``device25_host`` (device
+    25% of the state, host the rest) or ``device20_host30_nvme`` (device 20%, host 30%, NVMe)."""
+    total = state_bytes(seeded_gpt())
+    if kind == "device25_host":
+        return budgets(total, 0.25, None) | {"chunk_size": "8KiB"}
+    return budgets(total, 0.20, 0.30, tmp_path) | {"chunk_size": "8KiB"}
 
 
 def budgets(total: int, device: float | None, host: float | None, nvme_path: Any = None) -> dict:

@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 import torch
+from torch import nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -256,3 +257,43 @@ def test_a_state_the_device_holds_is_accepted_with_the_smallest_host_budget() ->
     assert_same_model(eager, wrapped)
     assert_within_budgets(wrapped)
     wrapped.close()
+
+
+
+class _Tied(nn.Module):
+    """Embedding and head tied, in different units (from the review that found the test below)."""
+
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, d),
+                                    nn.Linear(d, vocab, bias=False))
+        self.layers[3].weight = self.layers[0].weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.layers(x).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("policy", ["static", "auto"])
+def test_a_host_too_small_for_an_update_runs_it_on_the_device(policy: str) -> None:
+    """``static`` homes optimizer states on the host. With a host budget of two slots, which
+    cannot hold one chunk's parameters, gradient and states together, the first step failed
+    with HeteroOOMError although the device had room (found in review). Such an update now runs
+    on the device; where neither tier can hold it, the optimizer refuses up front."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return _Tied()
+
+    kw = dict(device="cpu", chunk_size=65536, prefetch=3, policy=policy, device_budget=88031, host_budget=16463)
+    data = [(x, torch.roll(x, 1, 1)) for x in torch.randint(0, 64, (3, 4, 6), generator=torch.Generator().manual_seed(1))]
+    e, h, eager, wrapped = train_pair(make, kw, data)
+    assert h == pytest.approx(e, rel=1e-5)
+    assert_same_model(eager, wrapped)
+    assert_within_budgets(wrapped)
+    wrapped.close()
+    # One chunk, the whole state: device and host together hold it, neither holds its update
+    # (which failed in the first step).
+    one = hetero.wrap(nn.Linear(32, 200), device="cpu", policy=policy, device_budget=90000, host_budget=90000)
+    with pytest.raises(hetero.HeteroOOMError, match="one chunk's update"):
+        hetero.optim.AdamW(one.parameters(), lr=1e-2)
+    one.close()

@@ -460,3 +460,16 @@ def test_wraps_capacity_check_counts_slots_as_the_tiers_charge_them() -> None:
     hetero.wrap(_Tiny(), host_budget=host, **kw).close()
     with pytest.raises(hetero.HeteroOOMError, match="need"):
         hetero.wrap(_Tiny(), host_budget=host - 4096, **kw)
+
+
+def test_parameters_chunks_cannot_hold_are_refused_naming_them():
+    """An integer parameter (torch allows one frozen) crashed wrap with a bare RuntimeError; a
+    sparse embedding failed in the first backward."""
+    ints = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    ints.register_parameter("idx", torch.nn.Parameter(torch.arange(3), requires_grad=False))
+    with pytest.raises(hetero.HeteroConfigError, match="'idx'.*int64"):
+        hetero.wrap(ints, device="cpu")
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    with pytest.raises(hetero.HeteroConfigError, match="'0'.*sparse=True"):
+        hetero.wrap(sparse, device="cpu")
+    assert not sparse._forward_pre_hooks and not ints._forward_pre_hooks

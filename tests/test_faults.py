@@ -11,14 +11,11 @@ import torch
 
 import hetero
 from hetero import copies, engine
-from helpers import (assert_same_model, assert_same_state, failed_step,
-                     assert_within_budgets, budgets, default_step, loss_of, snapshot)
+from helpers import (assert_same_model, assert_same_state, assert_within_budgets, budgets, default_step,
+                     failed_step, loss_of, seeded_gpt, snapshot)
 from models import GPT, batches, state_bytes
 
 
-def make() -> GPT:
-    torch.manual_seed(0)
-    return GPT()
 
 
 def swap_requests_per_step(tmp_path) -> int:
@@ -47,8 +44,8 @@ def swap_requests_per_step(tmp_path) -> int:
 
 
 def setup(path) -> tuple[hetero.HeteroModule, torch.optim.Optimizer, list]:
-    total = state_bytes(make())
-    model = hetero.wrap(make(), **budgets(total, 0.2, 0.3, path), chunk_size="8KiB")
+    total = state_bytes(seeded_gpt())
+    model = hetero.wrap(seeded_gpt(), **budgets(total, 0.2, 0.3, path), chunk_size="8KiB")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, opt, batches(6, seed=3)
 
@@ -72,7 +69,7 @@ def test_fault_anywhere_in_a_step_changes_nothing_and_training_goes_on(kind, hos
         model, opt, data = setup(tmp_path / f"{kind}{k}")
         copier = model._hetero_state.runtime.storage.copier
         assert copier.inline_bytes == (0 if host_copies == "async" else copies.INLINE_BYTES)
-        ref = make()
+        ref = seeded_gpt()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         for b in data[:2]:
             default_step(model, opt, b)
@@ -97,8 +94,8 @@ def test_fault_in_the_optimizer_step_on_nvme_resident_state_rolls_back(tmp_path,
     read failing in the middle of the synchronous step() leaves every parameter and state as
     before."""
     monkeypatch.setenv("HETERO_DEFER_STEP", "0")
-    total = state_bytes(make())
-    model = hetero.wrap(make(), device="cpu", device_budget=int(total * 0.15),
+    total = state_bytes(seeded_gpt())
+    model = hetero.wrap(seeded_gpt(), device="cpu", device_budget=int(total * 0.15),
                         host_budget=int(total * 0.2), nvme_path=str(tmp_path), chunk_size="8KiB")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     data = batches(4, seed=5)
@@ -134,11 +131,11 @@ def test_a_postponed_update_that_fails_rolls_forward(tmp_path, kind) -> None:
     chunk as it was and still postponed; the forward runs again once the fault is gone, and the
     step that returned is then applied once, neither lost nor applied twice: parameters and
     optimizer states equal eager PyTorch's after that step, and training goes on to match."""
-    total = state_bytes(make())
-    model = hetero.wrap(make(), device="cpu", device_budget=int(total * 0.15),
+    total = state_bytes(seeded_gpt())
+    model = hetero.wrap(seeded_gpt(), device="cpu", device_budget=int(total * 0.15),
                         host_budget=int(total * 0.2), nvme_path=str(tmp_path), chunk_size="8KiB")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-    ref = make()
+    ref = seeded_gpt()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     rt = model._hetero_state.runtime
     data = batches(6, seed=5)
@@ -186,8 +183,8 @@ def test_chunks_updated_in_place_give_up_no_guarantee(tmp_path, caplog) -> None:
     the step's transaction has committed and need no older copies, so no step reports that it
     could no longer be undone. (They ran inside the transaction before, and each write of a
     block with a single copy was reported as a lost guarantee: hundreds of false warnings a run.)"""
-    total = state_bytes(make())
-    model = hetero.wrap(make(), **budgets(total, 0.8, 0.3, tmp_path), chunk_size="8KiB", policy="lru")
+    total = state_bytes(seeded_gpt())
+    model = hetero.wrap(seeded_gpt(), **budgets(total, 0.8, 0.3, tmp_path), chunk_size="8KiB", policy="lru")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     rt = model._hetero_state.runtime
     data = batches(5, seed=2)
@@ -214,8 +211,8 @@ def test_a_transfer_failing_while_every_chunk_is_in_place_changes_nothing(tmp_pa
 
     from hetero.optim import adam
 
-    total = state_bytes(make())
-    model = hetero.wrap(make(), **budgets(total, 1.5, 0.5, tmp_path), chunk_size="8KiB")
+    total = state_bytes(seeded_gpt())
+    model = hetero.wrap(seeded_gpt(), **budgets(total, 1.5, 0.5, tmp_path), chunk_size="8KiB")
     rt = model._hetero_state.runtime
     last = model._hetero_state.chunks[-1]
     outside = {id(s.param) for s in last.slots}
@@ -274,9 +271,9 @@ def test_a_failed_read_of_a_settling_state_loses_nothing(tmp_path, monkeypatch) 
     from helpers import assert_same_model, settling
 
     monkeypatch.setenv("HETERO_DEFER_STEP", "0")
-    model = hetero.wrap(make(), **settling(make, 0.5, tmp_path))
+    model = hetero.wrap(seeded_gpt(), **settling(seeded_gpt, 0.5, tmp_path))
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-    eager = make()
+    eager = seeded_gpt()
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     rt = model._hetero_state.runtime
     real_settle = R.Runtime.settle
@@ -322,8 +319,7 @@ def test_a_fault_while_clipping_leaves_the_gradients_as_they_were(tmp_path, afte
     and clipping again then gives the norm and the training of a fault-free run. (Clipping
     that scaled the gradients in place, chunk by chunk, failed in its second pass with some
     of them scaled.)"""
-    make = lambda: (torch.manual_seed(0), GPT())[1]  # noqa: E731
-    eager = make()
+    eager = seeded_gpt()
     total = state_bytes(eager)
     wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="8KiB", device_budget=int(total * 0.2),
                           host_budget=int(total * 0.3), nvme_path=str(tmp_path), nvme_budget=4 * total)

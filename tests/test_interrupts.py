@@ -12,18 +12,15 @@ import torch
 
 import hetero
 from hetero import runtime as runtime_mod
-from helpers import budgets, loss_of
-from models import GPT, batches, state_bytes
+from helpers import budgets, loss_of, seeded_gpt
+from models import batches, state_bytes
 
 
-def make() -> GPT:
-    torch.manual_seed(0)
-    return GPT()
 
 
 def _eager_state(data) -> dict:
     """Eager weights after training on ``data``."""
-    model = make()
+    model = seeded_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for x, y in data:
         loss_of(model(x, y)).backward()
@@ -39,7 +36,7 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("nth", [3, 40, 170, 260])
 def test_sigint_inside_a_transfer_issue_leaves_the_runtime_whole(tmp_path, monkeypatch, nth: int) -> None:
     data = batches(3, seed=2)
-    model = hetero.wrap(make(), **budgets(state_bytes(make()), 0.2, 0.3, tmp_path), chunk_size="8KiB")
+    model = hetero.wrap(seeded_gpt(), **budgets(state_bytes(seeded_gpt()), 0.2, 0.3, tmp_path), chunk_size="8KiB")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     calls = [0]
     issue = runtime_mod.Runtime._issue
@@ -78,7 +75,7 @@ def test_a_program_handler_chaining_ours_then_another_wrap_does_not_loop(tmp_pat
     installing again made ours call the program's, which called ours, to a RecursionError."""
     import hetero.interrupts as interrupts
 
-    first = hetero.wrap(make(), device="cpu")
+    first = hetero.wrap(seeded_gpt(), device="cpu")
     previous = signal.getsignal(signal.SIGINT)
     calls = []
 
@@ -88,7 +85,7 @@ def test_a_program_handler_chaining_ours_then_another_wrap_does_not_loop(tmp_pat
 
     signal.signal(signal.SIGINT, program)
     try:
-        second = hetero.wrap(make(), device="cpu")
+        second = hetero.wrap(seeded_gpt(), device="cpu")
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
             for _ in range(100):  # (the handler runs at a bytecode boundary)

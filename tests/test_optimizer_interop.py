@@ -11,21 +11,11 @@ import pytest
 import torch
 
 import hetero
-from helpers import assert_same_model, budgets, loss_of
+from helpers import assert_same_model, budgets, loss_of, seeded_gpt
 from models import GPT, batches, state_bytes
 
 
-def make() -> GPT:
-    torch.manual_seed(0)
-    return GPT()
 
-
-@pytest.fixture(params=["device25_host", "device20_host30_nvme"])
-def tight(request, tmp_path) -> dict:
-    total = state_bytes(make())
-    if request.param == "device25_host":
-        return budgets(total, 0.25, None) | {"chunk_size": "8KiB"}
-    return budgets(total, 0.20, 0.30, tmp_path) | {"chunk_size": "8KiB"}
 
 
 def train(model, opt, data) -> list[float]:
@@ -40,7 +30,7 @@ def train(model, opt, data) -> list[float]:
 
 
 def pair(tight: dict, cls: str = "AdamW", **hp):
-    eager = make()
+    eager = seeded_gpt()
     wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
     hp = dict(lr=1e-2, weight_decay=0.1) | hp
     return eager, getattr(torch.optim, cls)(eager.parameters(), **hp), wrapped, getattr(hetero.optim, cls)(
@@ -60,8 +50,10 @@ def test_opt_state_reads_as_torch_s(tight: dict) -> None:
             for k in ("step", "exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(hopt.state[ph][k], eopt.state[pe][k])
     assert list(hopt.state) == [p for p in wrapped.parameters() if p in hopt.state]
-    with pytest.raises(KeyError):
-        hopt.state[torch.zeros(1)]
+    # A parameter without a state reads as {} (torch's defaultdict), and get() gives the default.
+    other = torch.zeros(1)
+    assert hopt.state[other] == eopt.state[other] == {} and hopt.state.get(other) is None
+    assert len(hopt.state) == len([p for p in eopt.state if eopt.state[p]])
 
 
 def test_a_new_optimizer_over_the_same_parameters_starts_afresh(tight: dict) -> None:
@@ -98,7 +90,7 @@ def test_state_dict_hooks_run_as_in_torch(tight: dict) -> None:
 
 def test_adamw_loading_an_adam_state_keeps_decoupled_decay(tight: dict) -> None:
     eager, eopt, wrapped, hopt = pair(tight)
-    adam = torch.optim.Adam(make().parameters(), lr=1e-2, weight_decay=0.1)
+    adam = torch.optim.Adam(seeded_gpt().parameters(), lr=1e-2, weight_decay=0.1)
     for opt in (eopt, hopt):
         opt.load_state_dict(adam.state_dict())
         assert opt.param_groups[0]["decoupled_weight_decay"] is True
@@ -109,7 +101,7 @@ def test_adamw_loading_an_adam_state_keeps_decoupled_decay(tight: dict) -> None:
 
 
 def test_a_refused_param_group_is_not_added(tight: dict) -> None:
-    wrapped = hetero.wrap(make(), **tight)
+    wrapped = hetero.wrap(seeded_gpt(), **tight)
     opt = hetero.optim.AdamW(list(wrapped.parameters())[:2], lr=1e-2)
     with pytest.raises(hetero.HeteroConfigError, match="no HeteroModule manages"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
@@ -120,9 +112,9 @@ def test_a_refused_param_group_is_not_added(tight: dict) -> None:
 
 
 def test_loaded_groups_are_copies(tight: dict) -> None:
-    wrapped = hetero.wrap(make(), **tight)
+    wrapped = hetero.wrap(seeded_gpt(), **tight)
     a = hetero.optim.AdamW(wrapped.parameters(), lr=torch.tensor(0.01))
-    other = hetero.wrap(make(), **tight)
+    other = hetero.wrap(seeded_gpt(), **tight)
     b = hetero.optim.AdamW(other.parameters(), lr=0.5)
     b.load_state_dict(a.state_dict())
     a.param_groups[0]["lr"].fill_(0.02)  # a scheduler changing a tensor lr in place
@@ -145,6 +137,88 @@ def test_torch_distributed_checkpoint_state_dict_round_trip(tight: dict) -> None
     assert len(fresh_opt.state) == len(eopt.state)
     assert train(fresh, fresh_opt, data[3:]) == pytest.approx(train(eager, eopt, data[3:]), rel=1e-5)
     assert_same_model(eager, fresh)
+
+
+def test_torch_distributed_checkpoint_resume_into_a_fresh_optimizer(tight: dict, tmp_path) -> None:
+    """The usual DCP resume: a fresh model and optimizer, get_state_dict (which gives a fresh
+    optimizer its states by assigning zero gradients to ``param.grad`` and stepping with lr 0),
+    dcp.load into those, set_state_dict. hetero ignored the assigned gradients, so the fresh
+    state dict had no states to load into and the run restarted Adam from zero (silently)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    eager, eopt, wrapped, hopt = pair(tight)
+    data = batches(5, seed=11)
+    train(eager, eopt, data[:3])
+    train(wrapped, hopt, data[:3])
+    msd, osd = get_state_dict(wrapped, hopt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh = hetero.wrap(GPT(), **tight)  # other initial weights
+    fresh_opt = hetero.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    assert len(osd["state"]) == len(eopt.state)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    assert train(fresh, fresh_opt, data[3:]) == pytest.approx(train(eager, eopt, data[3:]), rel=1e-5)
+    assert_same_model(eager, fresh)
+
+
+def test_gradients_assigned_to_param_grad_are_used_as_in_torch(tight: dict) -> None:
+    """A gradient assigned to ``param.grad`` (computed by hand, or after a backward) is the
+    parameter's gradient for step(), clip_grad_norm_ and zero_grad, as in torch; hetero's
+    step ignored it, changing nothing."""
+    eager, eopt, wrapped, hopt = pair(tight)
+    data = batches(4, seed=3)
+    for i, (x, y) in enumerate(data):
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            params = list(model.parameters())
+            loss = loss_of(model(x, y))
+            if i == 0:  # no backward: every gradient assigned
+                for p, g in zip(params, torch.autograd.grad(loss, params)):
+                    p.grad = g
+            else:
+                loss.backward()
+                if i == 1:  # one replaced after the backward
+                    params[3].grad = torch.full_like(params[3], 0.5)
+            if i == 2:
+                params[2].grad = torch.ones_like(params[2])
+                opt.zero_grad(set_to_none=False)  # the assigned one is zeroed with the rest
+            if i == 3:
+                params[1].grad = torch.full_like(params[1], 3.0)
+                norm = (model.clip_grad_norm_(1.0) if model is wrapped
+                        else torch.nn.utils.clip_grad_norm_(params, 1.0))
+                norms = norms + [norm] if model is wrapped else [norm]
+            opt.step()
+            opt.zero_grad()
+            assert all(p.grad is None for p in params)
+    torch.testing.assert_close(norms[1].cpu(), norms[0])
+    assert_same_model(eager, wrapped)
+
+
+@pytest.mark.parametrize("corrupt", ["shape", "missing", "not_a_tensor", "step"])
+def test_a_refused_optimizer_load_changes_nothing(tight: dict, corrupt: str) -> None:
+    """A saved state hetero cannot load is refused, naming the entry, before anything is
+    written: without NVMe the moments of the parameters before it were already overwritten."""
+    from helpers import assert_same_state, snapshot
+
+    eager, eopt, wrapped, hopt = pair(tight)
+    data = batches(3, seed=6)
+    train(eager, eopt, data[:1])
+    train(wrapped, hopt, data[:2])
+    bad = copy.deepcopy(eopt.state_dict())
+    last = max(bad["state"])
+    if corrupt == "shape":
+        bad["state"][last]["exp_avg"] = torch.zeros(5, 5)
+    elif corrupt == "missing":
+        del bad["state"][last]["exp_avg_sq"]
+    elif corrupt == "not_a_tensor":
+        bad["state"][last]["exp_avg"] = "zeros"
+    else:
+        bad["state"][last]["step"] = torch.zeros(2)
+    before = snapshot(wrapped, hopt)
+    with pytest.raises(hetero.HeteroConfigError, match=rf"state\[{last}\]"):
+        hopt.load_state_dict(bad)
+    assert_same_state(snapshot(wrapped, hopt), before)
 
 
 def test_torch_distributed_checkpoint_between_backward_and_step(tight: dict) -> None:
@@ -170,7 +244,7 @@ def test_optimizer_load_with_nvme_is_all_or_nothing(tmp_path, after: int) -> Non
     from hetero import engine
     from helpers import snapshot, assert_same_state
 
-    wrapped = hetero.wrap(make(), **budgets(state_bytes(make()), 0.3, 0.35, tmp_path), chunk_size="8KiB")
+    wrapped = hetero.wrap(seeded_gpt(), **budgets(state_bytes(seeded_gpt()), 0.3, 0.35, tmp_path), chunk_size="8KiB")
     opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
     data = batches(4)
     train(wrapped, opt, data[:2])
@@ -189,7 +263,7 @@ def test_optimizer_load_with_nvme_is_all_or_nothing(tmp_path, after: int) -> Non
 
 
 def test_step_after_close_raises_even_without_gradients(tight: dict) -> None:
-    wrapped = hetero.wrap(make(), **tight)
+    wrapped = hetero.wrap(seeded_gpt(), **tight)
     opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
     train(wrapped, opt, batches(1))
     wrapped.close()
@@ -222,10 +296,83 @@ def test_grad_scaler_matches_torch_s_with_skipped_steps(tight: dict, clip: bool)
 
 def test_torch_s_grad_scaler_does_not_see_hetero_gradients(tight: dict) -> None:
     """(documented: use hetero.optim.GradScaler)"""
-    wrapped = hetero.wrap(make(), **tight)
+    wrapped = hetero.wrap(seeded_gpt(), **tight)
     opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
     x, y = batches(1)[0]
     scaler.scale(loss_of(wrapped(x, y))).backward()
     with pytest.raises(AssertionError, match="No inf checks"):
         scaler.step(opt)
+
+
+def test_grad_scaler_with_two_optimizers_over_one_model(tight: dict) -> None:
+    """torch's recipe for several optimizers, scaler.step(a); scaler.step(b), where a chunk holds
+    gradients of both: it was refused, after the chunks before it had their unscale pending."""
+    eager, _, wrapped, _ = pair(tight)
+    halves = []
+    for model in (eager, wrapped):
+        params = list(model.parameters())
+        halves.append((params[::2], params[1::2]))  # weights and biases of one layer share chunks
+    opts = [[cls(h, lr=1e-2, weight_decay=0.1) for h in halves[i]]
+            for i, cls in enumerate((torch.optim.AdamW, hetero.optim.AdamW))]
+    scalers = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), hetero.optim.GradScaler("cpu", init_scale=2.0 ** 10))
+    for x, y in batches(3, seed=8):
+        for model, (a, b), scaler in ((eager, opts[0], scalers[0]), (wrapped, opts[1], scalers[1])):
+            scaler.scale(loss_of(model(x, y))).backward()
+            scaler.unscale_(a)
+            scaler.step(a)
+            scaler.step(b)
+            scaler.update()
+            a.zero_grad()
+            b.zero_grad()
+    assert_same_model(eager, wrapped)
+
+
+def test_complex_parameters_step_as_torch_s() -> None:
+    """torch's Adam updates a complex parameter as its real and imaginary parts; hetero's took
+    complex products (exp_avg_sq with negative real parts)."""
+    class Rotor(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.z = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.complex64))
+            self.out = torch.nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.view_as_real(x.to(torch.complex64) @ self.z.T).sum(-1)).pow(2).mean()
+
+    torch.manual_seed(0)
+    eager = Rotor()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="1KiB", device_budget=2200)
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for x in torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)):
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+    torch.testing.assert_close(hopt.state_dict()["state"][0]["exp_avg_sq"], eopt.state_dict()["state"][0]["exp_avg_sq"])
+
+
+def test_unsupported_options_in_groups_are_refused_before_they_are_added() -> None:
+    wrapped = hetero.wrap(seeded_gpt(), device="cpu")
+    params = list(wrapped.parameters())
+    for option in ("amsgrad", "maximize", "capturable", "differentiable"):
+        with pytest.raises(hetero.HeteroConfigError, match=option):
+            hetero.optim.AdamW([{"params": params, option: True}])
+        opt = hetero.optim.AdamW(params[:2])
+        with pytest.raises(hetero.HeteroConfigError, match=option):
+            opt.add_param_group({"params": params[2:], option: True})
+        assert len(opt.param_groups) == 1
+
+
+def test_hyper_parameters_of_other_number_types_are_accepted_as_torch_does() -> None:
+    """numpy numbers and one-element tensors, as torch's constructor takes them."""
+    import numpy as np
+
+    for kw in (dict(lr=np.float32(0.01)), dict(eps=np.float64(1e-8)), dict(betas=(torch.tensor(0.9), torch.tensor(0.99)))):
+        eager, eopt, wrapped, hopt = pair({"device": "cpu"}, **kw)
+        data = batches(2)
+        assert train(wrapped, hopt, data) == pytest.approx(train(eager, eopt, data), rel=1e-5)
+    with pytest.raises(hetero.HeteroConfigError, match="lr"):
+        hetero.optim.AdamW(wrapped.parameters(), lr=np.float32(-1))

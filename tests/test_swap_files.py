@@ -294,8 +294,10 @@ def test_removed_after_exception_in_backward(tmp_path):
 
 # ------------------------------------------------------------------------------ interpreter exit
 
-SCRIPT = textwrap.dedent("""
-    import os, sys
+# The head of the scripts run in subprocesses below: a model swapping to ``sys.argv[1]``, and what
+# the script does, ``sys.argv[2]``, as ``mode``.
+WRAPPED = textwrap.dedent("""
+    import gc, os, sys
     import torch
     import hetero
     from models import GPT, batches, state_bytes
@@ -307,6 +309,18 @@ SCRIPT = textwrap.dedent("""
     model = hetero.wrap(model, device="cpu", device_budget=int(total * 0.20), host_budget=int(total * 0.30),
                         nvme_path=nvme_path, nvme_budget=4 * total, chunk_size="8KiB")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+""")
+
+
+def launch(script: str, path, mode: str) -> subprocess.Popen:
+    """Run ``script`` (after :data:`WRAPPED`) in a fresh interpreter, swapping to ``path``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, "-c", WRAPPED + script, str(path), mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+SCRIPT = textwrap.dedent("""
     for x, y in batches(2):
         loss = model(x, y)
         loss.backward()
@@ -330,14 +344,11 @@ SCRIPT = textwrap.dedent("""
 
 def test_removed_at_interpreter_exit(tmp_path):
     modes = {"exit": 0, "raise": 1, "sigterm": -15, "sigkill": -9}
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
     procs = {}
     for mode in modes:  # run concurrently: each pays for importing torch
         path = tmp_path / mode
         path.mkdir()
-        procs[mode] = (path, subprocess.Popen([sys.executable, "-c", SCRIPT, str(path), mode], env=env,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs[mode] = (path, launch(SCRIPT, path, mode))
     for mode, (path, proc) in procs.items():
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == modes[mode], f"{mode}: rc={proc.returncode}\n{out}\n{err}"
@@ -490,18 +501,6 @@ def test_a_wrap_the_disk_cannot_hold_gives_its_space_back(tmp_path):
 
 
 FORK_SCRIPT = textwrap.dedent("""
-    import gc, os, sys
-    import torch
-    import hetero
-    from models import GPT, batches, state_bytes
-
-    nvme_path, action = sys.argv[1], sys.argv[2]
-    torch.manual_seed(0)
-    model = GPT(vocab=64, d=32, n_layer=2)
-    total = state_bytes(model)
-    model = hetero.wrap(model, device="cpu", device_budget=int(total * 0.20), host_budget=int(total * 0.30),
-                        nvme_path=nvme_path, nvme_budget=4 * total, chunk_size="8KiB")
-    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
     data = batches(3)
 
     def step(x, y):
@@ -512,17 +511,17 @@ FORK_SCRIPT = textwrap.dedent("""
     step(*data[0])
     pid = os.fork()
     if pid == 0:  # the child leaves through the interpreter's exit: handlers and finalizers run
-        if action == "use":
+        if mode == "use":
             try:
                 step(*data[1])
             except hetero.HeteroStateError as exc:
                 assert "forked" in str(exc), exc
             else:
                 sys.exit(3)
-        elif action == "drop":
+        elif mode == "drop":
             del model, opt
             gc.collect()
-        elif action == "close":
+        elif mode == "close":
             model.close()
         sys.exit(0)
     _, status = os.waitpid(pid, 0)
@@ -537,14 +536,11 @@ def test_a_forked_child_exits_cleanly_and_cannot_use_the_parents_model(tmp_path)
     """The engines' threads exist only in the parent: a child forked from it (exiting normally,
     so that its finalizers run) crashed or hung joining them, and a forward there hung. Now
     the child exits at once, its use of the model raises, and the parent goes on."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
     procs = {}
     for action in ("exit", "drop", "close", "use"):
         path = tmp_path / action
         path.mkdir()
-        procs[action] = (path, subprocess.Popen([sys.executable, "-c", FORK_SCRIPT, str(path), action], env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs[action] = (path, launch(FORK_SCRIPT, path, action))
     for action, (path, proc) in procs.items():
         try:
             out, err = proc.communicate(timeout=120)

@@ -10,28 +10,18 @@ import pytest
 import torch
 
 import hetero
-from helpers import assert_same_model, assert_within_budgets, budgets, loss_of, train_pair
+from helpers import assert_same_model, assert_within_budgets, loss_of, seeded_gpt, train_pair
 from models import GPT, batches, state_bytes
 
 
-def make() -> GPT:
-    torch.manual_seed(0)
-    return GPT()
 
-
-@pytest.fixture(params=["device25_host", "device20_host30_nvme"])
-def tight(request, tmp_path) -> dict:
-    total = state_bytes(make())
-    if request.param == "device25_host":
-        return budgets(total, 0.25, None) | {"chunk_size": "8KiB"}
-    return budgets(total, 0.20, 0.30, tmp_path) | {"chunk_size": "8KiB"}
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_accumulation_no_sync_and_clipping(tight: dict, norm_type: float) -> None:
     data = batches(6, seed=2)
 
-    eager = make()
+    eager = seeded_gpt()
     wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
     eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
@@ -137,7 +127,7 @@ def test_zero_grad_set_to_none_false(tight: dict) -> None:
 
 
 def test_state_dict_round_trip(tight: dict) -> None:
-    _, _, eager, wrapped = train_pair(make, tight, batches(2))
+    _, _, eager, wrapped = train_pair(seeded_gpt, tight, batches(2))
     sd = wrapped.state_dict()
     assert set(sd) == set(eager.state_dict())  # original keys, tied weight under both names
     assert all(v.device.type == "cpu" for v in sd.values())
@@ -156,7 +146,7 @@ def test_state_dict_round_trip(tight: dict) -> None:
 def test_optimizer_state_dict_interchangeable_with_torch(tight: dict) -> None:
     data = batches(5, seed=7)
     # hetero -> torch: continue eagerly from hetero's optimizer state
-    wrapped2 = hetero.wrap(make(), **{**tight, "nvme_path": tight.get("nvme_path")})
+    wrapped2 = hetero.wrap(seeded_gpt(), **{**tight, "nvme_path": tight.get("nvme_path")})
     hopt = hetero.optim.AdamW(wrapped2.parameters(), lr=1e-2, weight_decay=0.1)
     for x, y in data[:3]:
         loss_of(wrapped2(x, y)).backward()
@@ -183,7 +173,7 @@ def test_optimizer_state_dict_interchangeable_with_torch(tight: dict) -> None:
 
 
 def test_plain_torch_optimizer_raises_clear_error(tight: dict) -> None:
-    wrapped = hetero.wrap(make(), **tight)
+    wrapped = hetero.wrap(seeded_gpt(), **tight)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     x, y = batches(1)[0]
     loss_of(wrapped(x, y)).backward()
@@ -196,7 +186,7 @@ def test_plain_torch_optimizer_raises_clear_error(tight: dict) -> None:
 
 
 def test_summon_full_params_reads_and_writes_back(tight: dict) -> None:
-    _, _, eager, wrapped = train_pair(make, tight, batches(2))
+    _, _, eager, wrapped = train_pair(seeded_gpt, tight, batches(2))
     with wrapped.summon_full_params():
         for (n, p), (_, q) in zip(wrapped.named_parameters(), eager.named_parameters()):
             torch.testing.assert_close(p.detach(), q.detach())
@@ -206,7 +196,7 @@ def test_summon_full_params_reads_and_writes_back(tight: dict) -> None:
 
 
 def test_named_parameters_are_the_original_ones() -> None:
-    model = make()
+    model = seeded_gpt()
     originals = dict(model.named_parameters())
     wrapped = hetero.wrap(model, device="cpu")
     assert dict(wrapped.named_parameters()).keys() == originals.keys()
@@ -217,7 +207,7 @@ def test_named_parameters_are_the_original_ones() -> None:
 
 
 def test_eval_under_no_grad_matches(tight: dict) -> None:
-    model = make()
+    model = seeded_gpt()
     wrapped = hetero.wrap(copy.deepcopy(model), **tight)
     x, _ = batches(1)[0]
     with torch.no_grad():
@@ -238,7 +228,7 @@ def test_model_zero_grad_clears_the_gradients(tight: dict) -> None:
         model.zero_grad(set_to_none=next(modes) if isinstance(model, hetero.HeteroModule) else True)
         return loss.item()
 
-    e, h, eager, wrapped = train_pair(make, tight, batches(4, seed=3), step_fn=step)
+    e, h, eager, wrapped = train_pair(seeded_gpt, tight, batches(4, seed=3), step_fn=step)
     assert h == pytest.approx(e, rel=1e-5)
     assert_same_model(eager, wrapped)
     wrapped.close()
@@ -250,7 +240,7 @@ def test_loading_a_state_without_a_parameter_restarts_its_moments(tight: dict) -
     including where the chunk's moments already exist. Saved group keys it does not know (a
     scheduler's initial_lr) come back too, as in torch."""
     data = batches(6, seed=11)
-    eager = make()
+    eager = seeded_gpt()
     wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
     topt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
@@ -281,7 +271,7 @@ def test_loading_a_state_without_a_parameter_restarts_its_moments(tight: dict) -
 def test_unsupported_flags_raise_however_they_arrive(tight: dict, flag: str, how: str) -> None:
     """Options hetero's Adam does not implement raise before anything changes, set in a group
     after construction or loaded from torch's state dict, instead of being ignored."""
-    wrapped = hetero.wrap(make(), **tight)
+    wrapped = hetero.wrap(seeded_gpt(), **tight)
     opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
     x, y = batches(1)[0]
     loss_of(wrapped(x, y)).backward()
@@ -291,7 +281,7 @@ def test_unsupported_flags_raise_however_they_arrive(tight: dict, flag: str, how
             opt.param_groups[0][flag] = True
             opt.step()
         else:
-            plain = make()
+            plain = seeded_gpt()
             topt = torch.optim.AdamW(plain.parameters(), lr=1e-2, **{flag: True})
             opt.load_state_dict(topt.state_dict())
     for k, v in wrapped.state_dict().items():
@@ -304,7 +294,7 @@ def test_unsupported_flags_raise_however_they_arrive(tight: dict, flag: str, how
 def test_a_parameter_unfrozen_after_wrap_raises() -> None:
     """Chunks are packed at wrap time by requires_grad: a parameter frozen then has no grad
     block, so unfrozen later its gradient would go nowhere. The optimizer says so."""
-    model = make()
+    model = seeded_gpt()
     frozen = next(p for p in model.parameters())
     frozen.requires_grad_(False)
     wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB")
@@ -325,7 +315,7 @@ def test_adam_takes_torch_newer_arguments() -> None:
     results = []
     for cls, kw in ((hetero.optim.Adam, dict(lr=torch.tensor(1e-2), weight_decay=0.1, decoupled_weight_decay=True)),
                     (hetero.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))):
-        wrapped = hetero.wrap(make(), device="cpu", chunk_size="8KiB")
+        wrapped = hetero.wrap(seeded_gpt(), device="cpu", chunk_size="8KiB")
         opt = cls(wrapped.parameters(), **kw)
         for x, y in data:
             loss_of(wrapped(x, y)).backward()
@@ -336,14 +326,14 @@ def test_adam_takes_torch_newer_arguments() -> None:
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k])
     with pytest.raises(hetero.HeteroConfigError, match="betas"):
-        hetero.optim.AdamW(hetero.wrap(make(), device="cpu").parameters(), betas=None)
+        hetero.optim.AdamW(hetero.wrap(seeded_gpt(), device="cpu").parameters(), betas=None)
 
 
 def test_state_dict_inside_summon_full_params(tight: dict) -> None:
     """``state_dict()`` (or a nested summon) inside ``summon_full_params()`` reads the summoned
     values and leaves the outer context's parameters in place: writes made after it are
     written back by the outer context."""
-    _, _, eager, wrapped = train_pair(make, tight, batches(2))
+    _, _, eager, wrapped = train_pair(seeded_gpt, tight, batches(2))
     want = eager.state_dict()
     with wrapped.summon_full_params():
         inner = wrapped.state_dict()
@@ -363,7 +353,7 @@ def test_a_wrapped_module_inside_a_parent_round_trips_its_state_dict(tight: dict
     """A HeteroModule nested in another module (as FSDP units are): the parent's state_dict
     holds its keys under the child's name, and the parent's load_state_dict loads them into
     the chunks, with or without the ``module.`` level, and reports what is really missing."""
-    _, _, eager, wrapped = train_pair(make, tight, batches(2))
+    _, _, eager, wrapped = train_pair(seeded_gpt, tight, batches(2))
     parent = torch.nn.ModuleDict({"net": wrapped})
     sd = parent.state_dict()
     assert set(sd) == {"net." + k for k in eager.state_dict()}
@@ -390,7 +380,7 @@ def test_clipping_with_two_optimizers_sharing_chunks_and_clipping_twice(tight: d
     clearing its parameters' gradients while another's, in the same chunks, still wait (a
     partial zero_grad), and a second clip before the step must round as torch's in-place clips
     do ((g * c1) * c2). Bit-identical to torch's clip and two torch AdamWs."""
-    eager = make()
+    eager = seeded_gpt()
     wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
     halves = [list(m.parameters())[0::2] for m in (eager, wrapped)], [list(m.parameters())[1::2] for m in (eager, wrapped)]
     topts = [torch.optim.AdamW(h[0], lr=1e-2) for h in halves]
@@ -414,7 +404,7 @@ def test_clipping_with_two_optimizers_sharing_chunks_and_clipping_twice(tight: d
 def test_a_write_inside_summon_without_writeback_raises(tight: dict) -> None:
     """Inside summon_full_params(writeback=False) every change is discarded at its end: a
     load_state_dict there would report success and load nothing, so it raises instead."""
-    _, _, eager, wrapped = train_pair(make, tight, batches(1))
+    _, _, eager, wrapped = train_pair(seeded_gpt, tight, batches(1))
     with wrapped.summon_full_params(writeback=False):
         with pytest.raises(hetero.HeteroStateError, match="writeback=False"):
             wrapped.load_state_dict(GPT().state_dict())
@@ -429,7 +419,7 @@ def test_parameters_at_rest_after_wrap_hold_no_stale_copy() -> None:
     unit's parameter outside that unit's forward therefore fails loudly instead of training on
     the initial values in silence (nn.MultiheadAttention reads out_proj.weight without calling
     out_proj: with out_proj a unit of its own, the loss is NaN or the call raises)."""
-    model = make()
+    model = seeded_gpt()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB")
     for n, p in wrapped.named_parameters():
@@ -540,7 +530,7 @@ def test_apply_initializes_the_chunks_and_conversions_are_refused(tight: dict) -
     before changing anything; a conversion that changes nothing is accepted."""
     import pickle
 
-    eager = make()
+    eager = seeded_gpt()
     wrapped = hetero.wrap(copy.deepcopy(eager), **tight)
 
     def init(m: torch.nn.Module) -> None:

@@ -26,9 +26,10 @@ import dataclasses
 import functools
 import itertools
 import logging
+import numbers
 import os
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -69,10 +70,12 @@ class Adam(torch.optim.Optimizer):
                  *, amsgrad: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: bool = False) -> None:
-        def number(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+        def number(x: Any) -> bool:  # as torch: a real number (numpy's too) or a one-element tensor
+            if isinstance(x, torch.Tensor):
+                return x.numel() == 1 and not x.is_complex() and bool(x >= 0)
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and x >= 0
 
-        lr_ok = number(lr) or (isinstance(lr, torch.Tensor) and lr.numel() == 1 and bool(lr >= 0))
+        lr_ok = number(lr)
         betas_ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
             number(b) and b < 1 for b in betas)
         for name, value, ok in (("lr", lr, lr_ok), ("eps", eps, number(eps)),
@@ -114,6 +117,7 @@ class Adam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         old_state, n_frozen = self._state, len(self._frozen)
         try:
+            _check_supported(self.param_groups[-1], f"param_groups[{len(self.param_groups) - 1}]: ")
             for p in self.param_groups[-1]["params"]:
                 st = state_of(p)
                 if st is None:
@@ -185,7 +189,9 @@ class Adam(torch.optim.Optimizer):
         hold, and the room of one more block of the largest size: with every tier full, a block
         coming to the device and one leaving it need a free place to pass each other (without
         one, two full tiers cannot trade blocks). The device holds exact bytes, so this errs on
-        the side of refusing; a state the device alone holds is always accepted."""
+        the side of refusing; a state the device alone holds is always accepted. Then, since
+        one chunk's update holds all of the chunk's blocks at once (on the device, or on the host
+        in slots), refuse where neither tier can hold the largest one (:meth:`_tier_for`)."""
         rt = self._state.runtime
         sizes = [b.nbytes for c in self._state.chunks for b in c.blocks.values()]
         sizes += [c.full_precision.nbytes for c in self._chunks() if EXP_AVG not in c.blocks] * 2
@@ -201,6 +207,18 @@ class Adam(torch.optim.Optimizer):
                 f"the tiers hold {exact_size(sum(held.values()))} "
                 f"({', '.join(f'{n} {exact_size(b)}' for n, b in held.items())}); "
                 f"{raise_budget_advice(NVME in rt.tiers)}")
+        # One chunk's update holds its parameters, gradient and states together on one tier.
+        update = max(([b.nbytes for b in c.blocks.values()]
+                      + [c.full_precision.nbytes] * 2 * (EXP_AVG not in c.blocks) for c in self._chunks()),
+                     key=sum, default=[])
+        if sum(update) > rt.tiers[DEVICE].capacity and sum(map(rt.slot_bytes, update)) > rt.tiers[HOST].capacity:
+            raise HeteroOOMError(
+                f"one chunk's update holds its parameters, gradient and optimizer states together "
+                f"on the device or the host: {exact_size(sum(update))} on the device, "
+                f"{exact_size(sum(map(rt.slot_bytes, update)))} in host slots, but the device budget "
+                f"is {exact_size(rt.tiers[DEVICE].capacity)} and the host budget "
+                f"{exact_size(rt.tiers[HOST].capacity)}; raise device_budget or host_budget, or "
+                "use a smaller chunk_size")
 
     # ------------------------------------------------------------------ stepping
 
@@ -219,15 +237,21 @@ class Adam(torch.optim.Optimizer):
         return runs
 
     def _tier_for(self, chunk: Chunk) -> str:
-        """The device where the chunk's exp_avg is there and its blocks fit beside what others
-        hold pinned there (a postponed update runs inside a forward, whose enclosing units are
-        pinned), else the host."""
+        """The device where the chunk's exp_avg is there, or where the host budget can never
+        hold the update's blocks together (a policy homing states on a small host), and they
+        fit beside what others hold pinned there (a postponed update runs inside a forward,
+        whose enclosing units are pinned); else the host."""
         rt = self._state.runtime
-        if DEVICE not in chunk.blocks[EXP_AVG].tiers:
-            return HOST
         blocks = list(chunk.blocks.values())
+        if DEVICE not in chunk.blocks[EXP_AVG].tiers and self._host_holds(blocks):
+            return HOST
         room = rt.tiers[DEVICE].capacity - rt.pinned_bytes(DEVICE, besides=blocks)
         return DEVICE if sum(b.nbytes for b in blocks) <= room else HOST
+
+    def _host_holds(self, blocks: list[Block]) -> bool:
+        """Whether the host budget, empty, holds ``blocks`` (one update's) together."""
+        rt = self._state.runtime
+        return sum(rt.slot_bytes(b.nbytes) for b in blocks) <= rt.tiers[HOST].capacity
 
     @staticmethod
     def _written(chunk: Chunk) -> list[Block]:
@@ -296,6 +320,7 @@ class Adam(torch.optim.Optimizer):
         st.drop_stale_pins()
         rt = st.runtime
         rt.catch_up()  # the last step's postponed updates first: they read its gradients
+        st.adopt_grads(p for g in self.param_groups for p in g["params"])
         groups = self._group_index()
         defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
         work = [self._plan(c, runs, groups)
@@ -479,7 +504,12 @@ class Adam(torch.optim.Optimizer):
             # On the CPU one fused pass of the C++ kernel: low-precision grad in with the clip/loss
             # scale folded in, fp32 master/m/v updated, low-precision param out. Elsewhere the same
             # math as torch ops (hetero.optim.kernel.adam_step_).
-            calls = [((w_flat[a:b], g_flat[a:b], m_flat[a:b], v_flat[a:b]),
+            # Complex parameters update their real and imaginary parts as two reals (torch's Adam
+            # views them as real, so exp_avg_sq stays a pair of non-negative numbers).
+            k = 2 if w_flat.is_complex() else 1
+            w_flat, g_flat, m_flat, v_flat = (torch.view_as_real(t).view(-1) if t.is_complex() else t
+                                              for t in (w_flat, g_flat, m_flat, v_flat))
+            calls = [((w_flat[k * a:k * b], g_flat[k * a:k * b], m_flat[k * a:k * b], v_flat[k * a:k * b]),
                       dict(kw, param_out=None if p_flat is None else p_flat[a:b]))
                      for a, b, kw in update.calls]
 
@@ -566,8 +596,10 @@ class Adam(torch.optim.Optimizer):
         keys = [k for g in saved_groups for k in g["params"]]
         if self._state is not None:
             self._check_owner()
-            self._write_states({id(slot): (chunk, slot, saved_state.get(keys[i]))
-                                for i, chunk, slot in self._slots_in_order()})
+            entries = {id(slot): (chunk, slot, saved_state.get(keys[i])) for i, chunk, slot in self._slots_in_order()}
+            for i, (_, slot, entry) in enumerate(entries.values()):
+                _check_entry(keys[i], slot, entry)
+            self._write_states(entries)
         for saved, group in zip(saved_groups, self.param_groups):
             for k, v in saved.items():
                 if k != "params":
@@ -651,9 +683,11 @@ class _StateView(collections.abc.Mapping):
         return bool(slot.step) and slot.owner is not None and slot.owner() is self._opt
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A parameter without a state reads as ``{}``, as in torch's ``defaultdict(dict)``
+        (``get`` still gives its default)."""
         found = self._slots.get(id(param))
         if found is None or not self._has(found[2]):
-            raise KeyError(param)
+            return {}
         _, chunk, slot = found
         rt = self._opt._state.runtime
         rt.catch_up({chunk.blocks[PARAM].chunk_id})
@@ -661,6 +695,9 @@ class _StateView(collections.abc.Mapping):
         for kind in (EXP_AVG, EXP_AVG_SQ):
             entry[kind] = slot.slice(rt.read(chunk.blocks[kind])).clone()
         return entry
+
+    def get(self, param: object, default: Any = None) -> Any:
+        return self[param] if param in self else default
 
     def __contains__(self, param: object) -> bool:
         found = self._slots.get(id(param))
@@ -674,6 +711,31 @@ class _StateView(collections.abc.Mapping):
 
     def __repr__(self) -> str:
         return f"<hetero optimizer state: {len(self)} parameter(s) with a step>"
+
+
+def _check_entry(key: Any, slot: ParamSlot, entry: Any) -> None:
+    """Refuse, before anything is written, a saved per-parameter state that cannot be loaded."""
+    if entry is None:
+        return
+    where = f"state_dict's state[{key!r}] (parameter {slot.names[0]!r}, shape {tuple(slot.shape)})"
+    if not isinstance(entry, Mapping) or not all(k in entry for k in ("step", EXP_AVG, EXP_AVG_SQ)):
+        raise HeteroConfigError(f"{where} is {_short(entry)}; expected a dict with 'step', 'exp_avg' "
+                                "and 'exp_avg_sq' (torch Adam's state for one parameter)")
+    step = entry["step"]
+    if not (isinstance(step, (int, float)) and not isinstance(step, bool)
+            or isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex()):
+        raise HeteroConfigError(f"{where}: 'step' is {_short(step)}; expected a number or a one-element tensor")
+    for kind in (EXP_AVG, EXP_AVG_SQ):
+        t = entry[kind]
+        if not isinstance(t, torch.Tensor) or t.shape != slot.shape or not t.is_floating_point():
+            raise HeteroConfigError(f"{where}: {kind!r} is {_short(t)}; expected a floating-point tensor "
+                                    f"of the parameter's shape {tuple(slot.shape)}")
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"[:120]
 
 
 def _has_states(chunk: Chunk) -> bool:

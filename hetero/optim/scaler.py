@@ -7,7 +7,8 @@ fails ("No inf checks were recorded"). :class:`GradScaler` replaces the one meth
 for them: the check reads each chunk's gradient where it lives, and the unscale is a pending
 per-chunk scale applied where the gradient is next read (the optimizer's kernel, the next
 clip), one multiply as torch's in-place unscale makes, so the results are the same and the
-unscale itself moves and writes nothing. Everything else (the scale's growth and backoff,
+unscale itself moves and writes nothing (a chunk that also holds another optimizer's gradients
+is unscaled in place for this one's). Everything else (the scale's growth and backoff,
 skipping a step with inf/NaN gradients, ``unscale_`` before clipping, state dicts) is torch's.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from ..chunks import GRAD
-from ..errors import HeteroStateError
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -36,28 +36,32 @@ class GradScaler(torch.amp.GradScaler):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         # (fp16 gradients are fine: the pending scale is applied in fp32 where they are read)
         ours = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        state.adopt_grads(p for g in optimizer.param_groups for p in g["params"])
         rt = state.runtime
         bad = torch.zeros((), dtype=torch.bool)
+        scale = inv_scale.to(torch.float32)
         for chunk in state.chunks:
             slots = [s for s in chunk.slots if s.has_grad and id(s.param) in ours]
             if not slots or GRAD not in chunk.blocks or not chunk.blocks[GRAD].tiers:
                 continue
-            if any(s.has_grad and id(s.param) not in ours for s in chunk.slots):
-                raise HeteroStateError(
-                    f"{chunk.blocks[GRAD].chunk_id} holds gradients of parameters this optimizer "
-                    "does not step: a chunk's pending unscale would apply to both; expected "
-                    "hetero.optim.GradScaler with one optimizer over the model's trainable parameters")
+            # A chunk holding another optimizer's gradients too (torch's recipe for several
+            # optimizers: scaler.step(a); scaler.step(b)) is unscaled now, in place, for this
+            # optimizer's parameters only; else the unscale is pending, for the whole chunk.
+            mixed = any(s.has_grad and id(s.param) not in ours for s in chunk.slots)
             block = chunk.blocks[GRAD]
             tier = rt.working_tier(block)
-            rt.acquire([block], tier, record=False)
+            rt.acquire([block], tier, write=mixed, record=False)
             try:
                 flat = rt.data(block, tier)
                 for s in slots:
                     bad |= ~torch.isfinite(s.slice(flat)).all().cpu()
+                    if mixed:
+                        with torch.no_grad():
+                            s.slice(flat).mul_(scale.to(flat.device))
             finally:
                 rt.release([block], tier)
-            scale = inv_scale.to(torch.float32)
-            chunk.grad_scale = scale if chunk.grad_scale is None else chunk.grad_scale * scale
+            if not mixed:
+                chunk.grad_scale = scale if chunk.grad_scale is None else chunk.grad_scale * scale
         found_inf += bad.to(found_inf.device, found_inf.dtype)
         return {found_inf.device: found_inf}
 
