@@ -127,6 +127,21 @@ class Chunk:
         for s in self.slots:
             s.param.data = self._poison.expand(s.shape)
 
+    def written_at_rest(self) -> list[str]:
+        """Names of the parameters at rest if one of them was written in place since it was
+        detached (the write went to the shared placeholder, not to the chunk's blocks: lost);
+        the placeholder is NaN again afterwards. Else []."""
+        value = self._poison.item()
+        if value != value:  # NaN (a write to a parameter bumps its own version counter, not this one's)
+            return []
+        old, self._poison = self._poison, torch.full((), math.nan, dtype=self.dtype, device=self.compute_device)
+        names = []
+        for s in self.slots:
+            if s.param.data_ptr() == old.data_ptr():
+                s.param.data = self._poison.expand(s.shape)
+                names.append(s.names[0])
+        return names
+
     def __repr__(self) -> str:
         return f"Chunk({self.index}, {self.dtype}, numel={self.numel}, params={len(self.slots)})"
 

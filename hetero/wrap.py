@@ -79,6 +79,7 @@ class HeteroState:
     @critical
     def pre_forward(self, unit: Unit) -> Call:
         _refuse_transforms()
+        self.check_rest_writes({id(b.chunk): b.chunk for b in unit.param_blocks}.values())
         if torch._C._current_graph_task_id() == -1:  # a real forward
             self.runtime.acquire(unit.param_blocks)
             return Call(unit, forward_pinned=True, forward_start=self.runtime.tracker.now(),
@@ -227,6 +228,20 @@ class HeteroState:
             finally:
                 self.runtime.release([block], DEVICE)
 
+    def check_rest_writes(self, chunks: Iterable[Chunk]) -> None:
+        """Raise where a parameter at rest (a NaN placeholder off the device) was written in place
+        (``p.fill_``, ``nn.init.*`` outside ``model.apply``): the write reached no block and is
+        lost, which would otherwise go unnoticed. Once: the placeholder is NaN again after."""
+        for chunk in chunks:
+            names = chunk.written_at_rest()
+            if names:
+                raise HeteroStateError(
+                    f"a parameter among {', '.join(repr(n) for n in names[:4])}"
+                    f"{' and others' if len(names) > 4 else ''} was written in place while at rest (off "
+                    "the device it reads as a NaN placeholder): the write reached none of hetero's "
+                    "copies and is lost; expected writes inside summon_full_params() (or "
+                    "model.apply(fn), which summons), or load_state_dict()")
+
     def release_grad_pin(self) -> None:
         """Let the grad block being accumulated into go (it may be evicted again)."""
         if self._grad_pin is not None:
@@ -315,6 +330,7 @@ class HeteroState:
                     "load_state_dict, a summon with writeback) outside it, or writeback=True there")
             yield
             return
+        self.check_rest_writes(self.chunks)
         self.runtime.catch_up()  # postponed optimizer updates first: their moves detach params
         copies: list[tuple[Chunk, torch.Tensor]] = []
         self.summoned, self._summoned_writeback = True, writeback

@@ -302,3 +302,28 @@ def test_torch_func_transforms_are_refused_before_anything_moves() -> None:
         model(x).pow(2).mean().backward()
         o.step()
     assert_same_model(eager, wrapped)
+
+
+def test_a_write_to_a_parameter_at_rest_is_reported_not_lost_in_silence() -> None:
+    """Off the device a parameter is a NaN placeholder shared by its chunk: an in-place write
+    to it (``p.fill_``, ``nn.init.zeros_``) went nowhere, the others of the chunk read it, and
+    state_dict() gave the old values without a word."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="8KiB", device_budget="16KiB")
+    x = torch.randn(4, 32)
+    wrapped(x).sum().backward()
+    at_rest = [p for p in wrapped.module.parameters() if p.isnan().all()]
+    assert at_rest
+    before = wrapped.state_dict()
+    for read in (wrapped.state_dict, lambda: wrapped(x)):
+        with torch.no_grad():
+            nn.init.zeros_(at_rest[0])
+        with pytest.raises(hetero.HeteroStateError, match="written in place while at rest"):
+            read()
+        assert at_rest[0].isnan().all()  # a placeholder again
+    after = wrapped.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with wrapped.summon_full_params():  # the way to write
+        nn.init.zeros_(at_rest[0])
+    assert any((v == 0).all() for v in wrapped.state_dict().values())
