@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,7 @@ import torch
 from . import models
 from .config import format_size, parse_size
 from .errors import HeteroConfigError, HeteroError
+from .interrupts import deferring
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +221,19 @@ def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     _add_placement_args(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the model init and the data (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _seed(text: str) -> int:
+    """A seed torch.manual_seed takes: a whole number in [0, 2**64)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 2 ** 64:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; expected 0 <= seed < 2**64")
+    return value
 
 
 def _add_placement_args(p: argparse.ArgumentParser) -> None:
@@ -234,10 +247,12 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-budget", default=None,
                    help=f"bytes of model state on the device, e.g. 16MiB (default: state/{DEVICE_FRACTION})")
     p.add_argument("--host-budget", default=None,
-                   help=f"bytes of model state in host memory (default: state/{HOST_FRACTION})")
-    p.add_argument("--nvme-path", default=None,
-                   help="directory for swap files (default: a temporary directory, removed afterwards)")
-    p.add_argument("--no-nvme", action="store_true", help="disable the NVMe tier")
+                   help=f"bytes of model state in host memory (default: state/{HOST_FRACTION}; "
+                        "with --no-nvme the whole state)")
+    nvme = p.add_mutually_exclusive_group()
+    nvme.add_argument("--nvme-path", default=None,
+                      help="directory for swap files (default: a temporary directory, removed afterwards)")
+    nvme.add_argument("--no-nvme", action="store_true", help="disable the NVMe tier")
     p.add_argument("--chunk-size", default=DEFAULT_CHUNK, help=f"chunk size (default {DEFAULT_CHUNK})")
     p.add_argument("--policy", default="auto", help="placement policy: auto, opt, hotness, lru, static")
     p.add_argument("--threads", type=int, default=None,
@@ -309,11 +324,17 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    if not args.out:
+        raise HeteroConfigError("--out '': expected a directory path")
     _check_writable(args.out, "--out", directory=True)
-    res = _run_from_args(args, "hetero profile")
-    os.makedirs(args.out, exist_ok=True)
     paths = {name: os.path.join(args.out, name)
              for name in ("report.json", "trace.json", "placement.png", "access_log.jsonl")}
+    for name, path in paths.items():  # (a directory in the way would fail after the run)
+        if os.path.isdir(path):
+            raise HeteroConfigError(f"--out {args.out!r}: {path!r} is a directory; expected room for the "
+                                    f"file {name}")
+    res = _run_from_args(args, "hetero profile")
+    os.makedirs(args.out, exist_ok=True)
     with open(paths["report.json"], "w") as f:
         json.dump(res.json_dict(), f, indent=1)
     res.report.to_chrome_trace(paths["trace.json"])
@@ -392,14 +413,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # A termination (timeout, a scheduler's preemption) leaves as Ctrl-C does, through the
+    # clean-ups that remove the temporary swap directory (hetero holds it until a call returns).
+    previous = signal.signal(signal.SIGTERM, deferring(_terminated))
     try:
         return args.func(args)
     except HeteroError as exc:
         print(f"hetero {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except _Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as an interrupt (hetero defers those until its bookkeeping is consistent)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
 
 
 if __name__ == "__main__":  # pragma: no cover

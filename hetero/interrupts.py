@@ -26,16 +26,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _MAIN = threading.main_thread().ident  # Python runs signal handlers in this thread only
 _depth = 0  # critical calls open in the main thread
-_pending: Optional[tuple[int, Any]] = None  # a SIGINT held until the outermost call returns
+# a signal held until the outermost call returns: (its handler, signum, frame)
+_pending: Optional[tuple[Callable[[int, Any], Any], int, Any]] = None
 _previous: Optional[Callable[[int, Any], Any]] = None  # the handler install() found
 
 
 def _handler(signum: int, frame: Any) -> Any:
-    global _pending
-    if _depth:
-        _pending = (signum, frame)
-        return None
-    return _previous(signum, frame)
+    return deferring(_previous)(signum, frame)
+
+
+def deferring(handler: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
+    """``handler`` as a signal handler that, as hetero's SIGINT deferral, waits for hetero's call
+    to return (the CLI ends on SIGTERM this way, through the clean-ups that remove its swap)."""
+
+    def run(signum: int, frame: Any) -> Any:
+        global _pending
+        if _depth:
+            _pending = (handler, signum, frame)
+            return None
+        return handler(signum, frame)
+
+    return run
 
 
 def install() -> None:
@@ -66,7 +77,7 @@ def critical(fn: F) -> F:
         finally:
             _depth -= 1
             if not _depth and _pending is not None:
-                held, _pending = _pending, None
-                _previous(*held)
+                (handler, *held), _pending = _pending, None
+                handler(*held)
 
     return run  # type: ignore[return-value]

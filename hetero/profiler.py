@@ -231,13 +231,12 @@ class Report:
 
     def plot(self, path: str) -> None:
         """PNG of bytes used per tier over time (budgets dashed), with moves marked as ticks on
-        the time axis and stalls as red spans along it."""
-        import matplotlib
+        the time axis and stalls as red spans along it. Written at ``path`` exactly (whatever its
+        suffix); drawn without pyplot, so the program's matplotlib backend is left as it was."""
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(10, 4))
+        fig = Figure(figsize=(10, 4))
+        ax = fig.subplots()
         for name, tier in self._summary["tiers"].items():
             pts = [(t, u) for t, n, u in self.usage if n == name]
             if pts:
@@ -260,5 +259,5 @@ class Report:
         ax.set_title(f"hetero placement ({self._summary['policy']}, {self._summary['steps']} steps)")
         ax.legend(loc="upper right", fontsize="small")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        with open(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)

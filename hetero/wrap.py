@@ -543,6 +543,7 @@ class HeteroModule(nn.Module):
         ``clip_grad_norm_`` over this module's parameters)."""
         from .optim.clip import clip_grad_norm_  # the optimizer package owns gradient math
 
+        self._hetero_state.runtime.check_open()
         self._hetero_state.drop_stale_pins()
         self._hetero_state.adopt_grads(self.module.parameters())
         return clip_grad_norm_(self._hetero_state, self.module.parameters(), max_norm, norm_type)

@@ -5,6 +5,7 @@ all of them for a bundled model."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,21 @@ def test_the_trace_has_compute_units_stalls_moves_and_tier_counters(report, tmp_
         assert all(s2 >= e1 - 1e-3 for (_, e1), (s2, _) in zip(track, track[1:]))
 
 
+def test_the_plot_is_written_where_asked_as_a_png(report, tmp_path) -> None:
+    """Whatever the suffix (matplotlib followed it: a JPEG, a PDF, or 'name' + '.png'), and
+    without changing the program's matplotlib backend; a directory raises as for the trace."""
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    for name in ("placement", "placement.pdf"):
+        report.plot(str(tmp_path / name))
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["placement", "placement.pdf"]
+    with pytest.raises(IsADirectoryError):
+        report.plot(str(tmp_path))
+    assert matplotlib.get_backend() == backend
+
+
 def test_the_plot_is_a_png_with_the_stalls_marked(report, tmp_path) -> None:
     import matplotlib.image
 
@@ -138,6 +154,7 @@ def test_hetero_profile_writes_report_trace_plot_and_access_log(tmp_path, capsys
                                   ["train", "--json", "/nonexistent-dir/x.json"],
                                   ["plan", "--json", "/nonexistent-dir/x.json"],
                                   ["profile", "--out", __file__ + "/out"],  # (under a file)
+                                  ["profile", "--out", ""],
                                   ["train", "--json", "/"]])
 def test_the_cli_refuses_bad_arguments_before_running(argv, capsys, tmp_path, monkeypatch) -> None:
     """One line naming the argument, exit code 2, before any training (so an unwritable --json
@@ -149,6 +166,52 @@ def test_the_cli_refuses_bad_arguments_before_running(argv, capsys, tmp_path, mo
     assert "HeteroConfigError" in err and "Traceback" not in err
     assert argv[1].lstrip("-").replace("-", "_") in err.replace("-", "_")
     assert list(tmp_path.iterdir()) == []  # (profile's default --out included)
+
+
+def test_profile_refuses_an_output_file_it_could_not_write_before_running(tmp_path, capsys) -> None:
+    """A directory where trace.json goes failed after the run, with a traceback and half the
+    output written."""
+    (tmp_path / "trace.json").mkdir()
+    assert cli.main(["profile", "--model", "tiny", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "trace.json" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+
+
+@pytest.mark.parametrize("argv, option", [(["train", "--seed", str(2 ** 70)], "--seed"),
+                                          (["train", "--no-nvme", "--nvme-path", "x"], "--nvme-path"),
+                                          (["plan", "--nvme-path", "x", "--no-nvme"], "--no-nvme")])
+def test_the_cli_refuses_arguments_argparse_checks(argv, option, capsys) -> None:
+    """A seed torch cannot take (it was a traceback), and --no-nvme with --nvme-path (the path
+    was ignored in silence)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and "Traceback" not in err
+
+
+def test_a_terminated_run_removes_its_temporary_swap(tmp_path) -> None:
+    """SIGTERM (timeout, a scheduler) ends the CLI as Ctrl-C does, through the clean-ups: its
+    temporary swap directory (2x the state of the model) was left behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "hetero", "train", "--model", "tiny", "--steps", "100000",
+                             "--batch-size", "2", "--no-progress"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("hetero-nvme-*/hetero-swap-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # (training)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "terminated" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("hetero-nvme-*"))
 
 
 def test_the_cli_trains_without_nvme_on_its_default_budgets(capsys) -> None:
