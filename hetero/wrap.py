@@ -712,11 +712,16 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                  buffer_dtype: Optional[torch.dtype]) -> None:
     """Fill each chunk's param (and master) block, streaming: a meta-device module is initialized
     module by module into a per-chunk staging buffer, and a chunk goes to its tiers as soon as it
-    is full. Buffers move to the device (cast to ``buffer_dtype`` when given)."""
+    is full, its parameters then pointing at the placeholder (so the whole model never exists in
+    memory at once). A module holding meta tensors of its own has them materialized (empty, on
+    the CPU; its other tensors are kept), then ``param_init_fn(module)`` or else its
+    ``reset_parameters()`` runs, which must fill them in place. Buffers move to the device (cast
+    to ``buffer_dtype`` when given)."""
     slot_of = {id(s.param): (c, s) for c in chunks for s in c.slots}
     staging: dict[int, torch.Tensor] = {}
     missing = {c.index: len(c.slots) for c in chunks}
     done: set[int] = set()
+    names = {id(m): name for name, m in root.named_modules()}
 
     def stage(p: nn.Parameter) -> None:
         chunk, slot = slot_of[id(p)]
@@ -731,23 +736,35 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
             if MASTER in chunk.blocks:
                 runtime.create(chunk.blocks[MASTER], flat)
             runtime.create(chunk.blocks[PARAM], flat.to(chunk.dtype))
+            chunk.detach_params()  # (the memory of those materialized here goes)
 
     for m in root.modules():
-        params = list(m.parameters(recurse=False))
-        meta = [p for p in params if p.is_meta] + [b for b in m.buffers(recurse=False) if b.is_meta]
+        own = dict(m._parameters) | dict(m._buffers)
+        meta = {k: t for k, t in own.items() if t is not None and t.is_meta}
         if meta:
-            # Swap storage into the existing Parameter objects (identity and ties preserved).
-            swap = torch.__future__.get_swap_module_params_on_conversion()
-            torch.__future__.set_swap_module_params_on_conversion(True)
-            try:
-                m.to_empty(device="cpu", recurse=False)
-            finally:
-                torch.__future__.set_swap_module_params_on_conversion(swap)
-            if param_init_fn is not None:
-                param_init_fn(m)
-            elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-        for p in params:
+            with torch.no_grad():
+                for k, t in meta.items():  # in the existing objects (identity and ties kept)
+                    if k in m._parameters:
+                        torch.utils.swap_tensors(t, nn.Parameter(torch.empty_like(t, device="cpu"),
+                                                                 requires_grad=t.requires_grad))
+                    else:
+                        m._buffers[k] = torch.empty_like(t, device="cpu")
+        before = {k: (p, p.shape, p.dtype) for k, p in m._parameters.items() if p is not None}
+        if param_init_fn is not None and meta:
+            param_init_fn(m)
+        elif meta and hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        for k, (p, shape, dtype) in before.items():
+            if m._parameters.get(k) is not p or p.shape != shape or p.dtype != dtype:
+                now = m._parameters.get(k)
+                m._parameters[k] = p  # (wrap gives the model back as it was)
+                raise HeteroConfigError(
+                    f"initializing module {names[id(m)] or type(m).__name__!r} replaced its parameter {k!r} "
+                    f"({tuple(shape)}, {dtype}) with {'a new object' if now is not p else 'another shape or dtype'}"
+                    f"{'' if now is None else f' ({tuple(now.shape)}, {now.dtype})'}; hetero packs the "
+                    "parameters as they are before initialization; expected param_init_fn / "
+                    "reset_parameters to fill them in place (nn.init.*, copy_ under torch.no_grad())")
+        for p in m.parameters(recurse=False):
             if id(p) in slot_of and id(p) not in done:  # tied parameters are staged once
                 done.add(id(p))
                 stage(p)
@@ -839,10 +856,12 @@ def wrap(
     _check_budgets(cfg, units, parents, chunks)
     if cfg.param_init_fn is None:
         for name, m in module.named_modules():
-            if any(p.is_meta for p in m.parameters(recurse=False)) and not hasattr(m, "reset_parameters"):
+            meta = [k for k, t in (dict(m._parameters) | dict(m._buffers)).items() if t is not None and t.is_meta]
+            if meta and not hasattr(m, "reset_parameters"):
                 raise HeteroConfigError(
-                    f"module {name or type(m).__name__!r} has meta-device parameters and no "
-                    "reset_parameters(); pass param_init_fn=callable(module) to initialize them")
+                    f"module {name or type(m).__name__!r} has meta-device tensors ({', '.join(meta)}) and no "
+                    "reset_parameters() to initialize them (as FSDP, hetero materializes a meta "
+                    "module empty and calls it); pass param_init_fn=callable(module) to initialize them")
 
     # Nothing has moved so far; from here on the runtime places the state.
     policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run

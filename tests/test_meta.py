@@ -287,3 +287,77 @@ def test_a_failed_materialization_gives_the_meta_model_back(tmp_path):
     for k, v in got.items():  # LayerNorms reset to ones and zeros: no uninitialized memory
         if ".ln" in k:
             assert torch.equal(v, want[k]), k
+
+
+def test_materialized_parameters_are_let_go_chunk_by_chunk(tmp_path):
+    """Each chunk's parameters point at the placeholder once the chunk is placed: the whole
+    model was held in memory until every module was initialized (API.md: a model larger than
+    RAM never exists whole in memory)."""
+    with torch.device("meta"):
+        meta = nn.Sequential(*[nn.Linear(64, 64) for _ in range(16)])
+    live = []
+
+    def init(m: nn.Module) -> None:
+        m.reset_parameters()
+        ptrs = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in meta.parameters() if not p.is_meta}
+        live.append(sum(n for n in ptrs.values() if n > 64))  # (placeholders: one element)
+
+    hetero.wrap(meta, device="cpu", chunk_size="16KiB", device_budget="40KiB", host_budget="64KiB",
+                nvme_path=str(tmp_path), param_init_fn=init).close()
+    model_bytes = 16 * (64 * 64 + 64) * 4
+    assert len(live) == 16 and max(live) <= 3 * (64 * 64 + 64) * 4 < model_bytes // 4, live
+
+
+class MaskAndScale(nn.Module):
+    """A buffer made in __init__ (a mask, a rotary table) and a parameter set by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.mask) * self.scale
+
+
+def test_meta_buffers_need_an_initializer_and_other_tensors_are_kept():
+    """A meta buffer in a module without reset_parameters() was left as uninitialized memory
+    (silently), and materializing it wiped the module's CPU parameter."""
+    with torch.device("meta"):
+        model = nn.Sequential(MaskAndScale(), nn.Linear(4, 4))
+    model[0].scale = nn.Parameter(torch.full((4,), 2.0))  # on the CPU, set by hand
+    with pytest.raises(hetero.HeteroConfigError, match=r"'0' has meta-device tensors \(mask\)"):
+        hetero.wrap(model, device="cpu")
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, MaskAndScale):
+            m.mask.copy_(torch.tril(torch.ones(4, 4)))
+        else:
+            m.reset_parameters()
+
+    wrapped = hetero.wrap(model, device="cpu", param_init_fn=init)
+    torch.testing.assert_close(wrapped.state_dict()["0.scale"], torch.full((4,), 2.0))
+    torch.testing.assert_close(model[0].mask, torch.tril(torch.ones(4, 4)))
+
+
+@pytest.mark.parametrize("change", ["new_parameter", "dtype", "shape"])
+def test_an_initializer_that_replaces_parameters_is_refused(change, tmp_path):
+    """Parameters are packed as they are before initialization: a new Parameter object left the
+    model unmanaged (found only by the optimizer), a new dtype or shape was ignored or a bare
+    RuntimeError."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+    def init(m: nn.Module) -> None:
+        if change == "new_parameter":
+            m.weight = nn.Parameter(torch.zeros(8, 8))
+        elif change == "dtype":
+            m.to(torch.float64)
+        else:
+            m.bias.data = torch.zeros(1)
+
+    with pytest.raises(hetero.HeteroConfigError, match="replaced its parameter"):
+        hetero.wrap(model, device="cpu", nvme_path=str(tmp_path), param_init_fn=init)
+    assert all(p.is_meta for p in model.parameters())
+    assert not list(tmp_path.glob("hetero-swap-*"))
