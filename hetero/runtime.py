@@ -1506,8 +1506,15 @@ class Runtime:
         tiers = ", ".join(f"{n}: {exact_size(t.used)} used of {exact_size(t.capacity)} "
                           f"({exact_size(sum(self._size_on(n, b) for b in self.blocks() if b.pins.get(n)))} pinned)"
                           for n, t in self.tiers.items())
+        advice = raise_budget_advice(NVME in self.tiers)
+        pinned = sum(self._size_on(tier, b) for b in self._on.get(tier, ()) if b.pins.get(tier))
+        if tier == DEVICE and pinned + self._size_on(tier, block) > self.tiers[DEVICE].capacity:
+            # (no other tier can help: these blocks are in use on the device at once)
+            advice = ("raise device_budget: the device must hold, at once, the blocks of every unit "
+                      "whose forward or backward is running, with activation checkpointing the units "
+                      "a recompute re-runs too (wrap's minimum counts one unit and its parents)")
         return (f"cannot place block {block.id} ({exact_size(block.nbytes)}) on the {tier} tier: {why}. "
-                f"Tiers: {tiers}. To fix: {raise_budget_advice(NVME in self.tiers)}.")
+                f"Tiers: {tiers}. To fix: {advice}.")
 
 
 class _Transaction:

@@ -230,6 +230,10 @@ class _BackwardHook(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: StateRef, method: str, call: Call, *tensors: torch.Tensor):  # type: ignore[override]
         ctx.state, ctx.method, ctx.call = state, method, call
+        # An output no gradient reached passes None on, as autograd does without this hook: made
+        # zeros, it gave parameters that get no gradient in eager (an unused head) a zero one,
+        # which the optimizer then stepped.
+        ctx.set_materialize_grads(False)
         out = tuple(t.detach() for t in tensors)
         return out if len(out) > 1 else out[0]
 

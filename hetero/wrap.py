@@ -174,6 +174,14 @@ class HeteroState:
         the minimum device budget allows for)."""
         chunk, slot = self.slot_of[id(param)]
         grad, param.grad = param.grad, None
+        if grad is not None:  # (None: every path to it passed no gradient; it gets none, as in eager)
+            self._accumulate(chunk, slot, grad)
+        for call in [c for c in self._waiting if id(param) in c.waiting]:
+            call.waiting.discard(id(param))
+            if not call.waiting:  # the unit's backward is done (see pre_backward)
+                self._end_backward(call)
+
+    def _accumulate(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         block = chunk.blocks[GRAD]
         if self._grad_pin is not block:
             self.release_grad_pin()
@@ -191,10 +199,6 @@ class HeteroState:
             else:
                 dst.copy_(grad)
                 slot.has_grad = True
-        for call in [c for c in self._waiting if id(param) in c.waiting]:
-            call.waiting.discard(id(param))
-            if not call.waiting:  # the unit's backward is done (see pre_backward)
-                self._end_backward(call)
 
     def adopt_grads(self, params: Iterable[nn.Parameter]) -> None:
         """Move gradients assigned to ``param.grad`` outside a backward (a hand-computed one, or

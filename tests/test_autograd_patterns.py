@@ -327,3 +327,69 @@ def test_a_write_to_a_parameter_at_rest_is_reported_not_lost_in_silence() -> Non
     with wrapped.summon_full_params():  # the way to write
         nn.init.zeros_(at_rest[0])
     assert any((v == 0).all() for v in wrapped.state_dict().values())
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 16)])
+        self.heads = nn.ModuleList([nn.Linear(16, 1), nn.Linear(16, 1)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.heads[0](x), self.heads[1](x)
+
+
+def test_parameters_no_gradient_reaches_are_not_stepped() -> None:
+    """Multi-task training that uses one head per step: the other head gets no gradient, and
+    torch's optimizer skips it (no decay, no step count). The units' backward hooks made zeros
+    of the gradients their unused outputs did not get, so hetero stepped it."""
+    torch.manual_seed(0)
+    eager = _TwoHeads()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="1KiB", device_budget=3000)
+    opts = (torch.optim.AdamW(eager.parameters(), lr=1e-2), hetero.optim.AdamW(wrapped.parameters(), lr=1e-2))
+    for step, x in enumerate(torch.randn(6, 4, 8, generator=torch.Generator().manual_seed(2))):
+        task = 0 if step < 4 else 1
+        for model, opt in zip((eager, wrapped), opts):
+            model(x)[task].pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+    steps = [float(s["step"]) for s in opts[1].state_dict()["state"].values()]
+    assert steps == [float(s["step"]) for s in opts[0].state_dict()["state"].values()]
+    assert 2.0 in steps and 6.0 in steps
+
+
+def test_a_recompute_beyond_the_minimum_device_budget_says_to_raise_it() -> None:
+    """Non-reentrant checkpointing around a group of units needs more than one unit on the device
+    at once; at wrap's minimum the backward fails, and the error advised host or NVMe room,
+    which cannot help."""
+    import re
+    from torch.utils.checkpoint import checkpoint
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(torch.tanh(self.fc1(x)))
+
+    class Group(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Residual() for _ in range(6)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = checkpoint(lambda y: self.layers[3](self.layers[2](self.layers[1](y))),
+                           self.layers[0](x), use_reentrant=False)
+            return self.layers[5](self.layers[4](x))
+
+    with pytest.raises(hetero.HeteroConfigError) as err:
+        hetero.wrap(Group(), device="cpu", device_budget=1, chunk_size="16KiB")
+    least = int(re.search(r"device_budget>=(\d+)", str(err.value)).group(1))
+    model = hetero.wrap(Group(), device="cpu", device_budget=least, chunk_size="16KiB")
+    with pytest.raises(hetero.HeteroOOMError, match="raise device_budget: .*checkpointing"):
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+    model.close()
