@@ -75,6 +75,30 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+def _list_of(parse: Callable[[str], int], what: str) -> Callable[[str], list[int]]:
+    """argparse type of a comma-separated list of ``what`` >= 1: a usage error, not a traceback."""
+    def parse_list(text: str) -> list[int]:
+        try:
+            values = [parse(s) for s in text.split(",")]
+        except (ValueError, OverflowError):
+            values = []
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}")
+        return values
+    return parse_list
+
+
+def _reps(text: str) -> int:
+    """argparse type of --reps: timed steps >= 1 (0 left no time to take the median of)."""
+    try:
+        reps = int(text)
+    except ValueError:
+        reps = 0
+    if reps < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of timed steps >= 1")
+    return reps
+
+
 def load_deepspeed() -> tuple[type | None, str]:
     """DeepSpeedCPUAdam and a note, or (None, why not)."""
     try:
@@ -185,15 +209,22 @@ def kernel_check(n: int = 100_003, steps: int = 3) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="64M,256M", help="parameter counts (M = 2**20), comma-separated")
-    parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
-    parser.add_argument("--reps", type=int, default=7, help="timed steps per contender (median)")
+    parser.add_argument("--sizes", type=_list_of(parse_size, "parameter counts >= 1 (e.g. 4M,64M)"),
+                        default="64M,256M", help="parameter counts (M = 2**20), comma-separated")
+    parser.add_argument("--threads", type=_list_of(int, "thread counts >= 1 (e.g. 1,2)"), default="1,2",
+                        help="thread counts, comma-separated")
+    parser.add_argument("--reps", type=_reps, default=7, help="timed steps per contender (median)")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
     parser.add_argument("--json", metavar="PATH", help="write the tracked figures here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    threads = [int(t) for t in args.threads.split(",")]
+    sizes, threads = args.sizes, args.threads
+    if args.json:  # refused now, not after the run
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            parser.error(f"argument --json: {args.json!r} is a directory; expected a file path")
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"argument --json: {args.json!r}: {folder!r} is not a writable directory")
 
     if not K.has_kernel():
         print("hetero._C is not built with the CPU Adam kernel: pip install --no-build-isolation -e .")

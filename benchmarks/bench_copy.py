@@ -54,6 +54,31 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+def _sizes(text: str) -> list[int]:
+    """argparse type of --sizes: copy sizes > 0 (a 0-byte copy made a 0.00 GB/s row)."""
+    try:
+        sizes = [parse_size(s) for s in text.split(",")]
+    except (ValueError, OverflowError):
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sizes > 0 "
+                                         "(e.g. 64K,1M,16M)")
+    return sizes
+
+
+def _at_least_1(what: str) -> Callable[[str], int]:
+    """argparse type of an int >= 1 (--reps 0 used to mean the default; --threads 0 crashed)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {what} >= 1")
+        return value
+    return parse
+
+
 def size_name(n: int) -> str:
     for unit, scale in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
         if n >= scale and n % scale == 0:
@@ -332,19 +357,18 @@ def bench_cuda(sizes: list[int], reps: int, threads: int, overlap_bytes: int, ov
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=None, help="copy sizes (K/M/G), comma-separated; "
+    parser.add_argument("--sizes", type=_sizes, default=None, help="copy sizes (K/M/G), comma-separated; "
                         "default 64K,1M,16M,256M (--quick: 1M,64M)")
-    parser.add_argument("--reps", type=int, default=None, help="timed calls per contender "
+    parser.add_argument("--reps", type=_at_least_1("calls"), default=None, help="timed calls per contender "
                         "(median); default 9 (--quick: 5)")
-    parser.add_argument("--threads", type=int, default=2, help="engine worker threads")
-    parser.add_argument("--overlap-threads", type=int, default=1,
+    parser.add_argument("--threads", type=_at_least_1("threads"), default=2, help="engine worker threads")
+    parser.add_argument("--overlap-threads", type=_at_least_1("threads"), default=1,
                         help="engine worker threads in the CPU overlap test")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer reps")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA part")
     parser.add_argument("--json", metavar="PATH", help="write the figures here")
     args = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in (args.sizes or ("1M,64M" if args.quick
-                                                     else "64K,1M,16M,256M")).split(",")]
+    sizes = args.sizes or _sizes("1M,64M" if args.quick else "64K,1M,16M,256M")
     reps = args.reps or (5 if args.quick else 9)
     cuda = torch.cuda.is_available() and not args.no_cuda
     machine = {"cpus": os.cpu_count(), "torch": torch.__version__, "cuda": torch.version.cuda,

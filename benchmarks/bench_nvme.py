@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=ROOT,
-                   help="directory on the disk to measure (a temporary directory is made inside "
-                        "it and removed); default: the repository's directory")
+                   help="an existing directory on the disk to measure (a temporary directory is "
+                        "made inside it and removed); default: the repository's directory")
     p.add_argument("--size", type=_size, default=None,
                    help="bytes per contender and round, a multiple of 1MiB (default 1GiB)")
     p.add_argument("--rounds", type=_rounds, default=None, help="rounds; the median is reported "
@@ -270,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 5)
     if size % BLOCK or request % engine.ALIGNMENT:
         p.error("--size must be a multiple of 1 MiB and --request of 4 KiB")
+    if not os.path.isdir(args.dir) or not os.access(args.dir, os.W_OK | os.X_OK):
+        p.error(f"argument --dir: {args.dir!r} is not an existing writable directory")
     wanted = set(args.only or ["fio", "hetero", "python", "aiofiles"])
-    os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".bench_nvme-", dir=args.dir)
     skipped: dict[str, str] = {}
     contenders: list = []

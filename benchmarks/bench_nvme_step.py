@@ -92,15 +92,44 @@ def nvme_step(n_params: int, swap_dir: str, reps: int, chunk_size: str = "4MiB",
             "opt_state_blocks_on_nvme": on_nvme, "opt_state_blocks": n_states}
 
 
+def _params(text: str) -> int:
+    """argparse type of --params: at least one layer's parameters (fewer were silently 1M)."""
+    try:
+        n = int(float(text[:-1]) * 2**20) if text[-1:] in ("M", "m") else int(text)
+    except (ValueError, OverflowError):
+        n = 0
+    if n < WIDTH * WIDTH:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count >= 1M (the model is a "
+                                         f"stack of {WIDTH}x{WIDTH} layers)")
+    return n
+
+
+def _reps(text: str) -> int:
+    """argparse type of --reps: timed steps >= 1 (0 left none to take the median of)."""
+    try:
+        reps = int(text)
+    except ValueError:
+        reps = 0
+    if reps < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of timed steps >= 1")
+    return reps
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", default="16M", help="parameter count (M = 2**20)")
-    p.add_argument("--reps", type=int, default=5, help="timed steps (median)")
-    p.add_argument("--nvme-path", default=None, help="swap directory (default: a temp dir under the cwd)")
+    p.add_argument("--params", type=_params, default="16M", help="parameter count (M = 2**20)")
+    p.add_argument("--reps", type=_reps, default=5, help="timed steps (median)")
+    p.add_argument("--nvme-path", default=None, help="directory of the swap files' temporary directory, "
+                   "made if missing, as hetero.wrap makes its nvme_path (default: the cwd)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    n = int(float(args.params.rstrip("Mm")) * 2**20) if args.params[-1] in "Mm" else int(args.params)
+    n = args.params
+    if args.nvme_path is not None:
+        try:
+            os.makedirs(args.nvme_path, exist_ok=True)
+        except OSError as exc:
+            p.error(f"argument --nvme-path: {args.nvme_path!r}: {exc.strerror or exc}")
     swap_dir = tempfile.mkdtemp(prefix="bench-nvme-step-", dir=args.nvme_path or ".")
     try:
         disk = disk_speed(swap_dir)
@@ -116,12 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"disk ({disk['tool']}): read {disk['read_GBps']:.2f} GB/s, write {disk['write_GBps']:.2f} GB/s")
     print(f"step {res['step_s']:.3f} s: read {res['read_bytes'] / 2**20:.0f} MiB, write "
           f"{res['write_bytes'] / 2**20:.0f} MiB -> I/O at disk speed {io_s:.3f} s; compute {compute:.3f} s")
-    print(f"step / max(compute, I/O) = {res['ratio']:.3f}  (target <= 1.1)")
+    if not res["opt_state_blocks_on_nvme"] or not res["read_bytes"] + res["write_bytes"]:
+        # Nothing went through the swap files: the ratio measures no NVMe step at all.
+        res["void"] = (f"no optimizer state block went to NVMe (0 of {res['opt_state_blocks']}): "
+                       f"the {res['state_bytes'] / 2**20:.0f} MiB of training state fit the device and "
+                       "host budgets; pass a larger --params" if not res["opt_state_blocks_on_nvme"] else
+                       "no swap traffic in the timed steps")
+        print(f"step / max(compute, I/O) = {res['ratio']:.3f}: VOID, not a measurement of the target "
+              f"(<= 1.1): {res['void']}")
+    else:
+        print(f"step / max(compute, I/O) = {res['ratio']:.3f}  (target <= 1.1)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
         print(f"wrote {args.json}")
-    return 0
+    return 1 if "void" in res else 0
 
 
 if __name__ == "__main__":

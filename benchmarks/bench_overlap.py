@@ -25,6 +25,7 @@ small chunks cost more of it (``--chunk-size``; the library's default is 64 MiB)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -148,16 +149,58 @@ class Run:
         return out
 
 
+def _device(text: str) -> str:
+    """argparse type of --device: cpu, or a CUDA device this machine has."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} "
+                                         "usable CUDA device(s)")
+    return text
+
+
+def _batch_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of sequences >= 1")
+    return n
+
+
+def _chunk_size(text: str) -> str:
+    """argparse type of --chunk-size: a size hetero.wrap accepts, kept as written."""
+    try:
+        hetero.config.parse_size(text, "chunk_size", allow_none=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 256KiB, 64MiB)") from None
+    return text
+
+
+def turns(steps: int, turn: int) -> tuple[int, int, int]:
+    """For ``steps`` steps and ``--turn``: the turn length the run uses (at most half the steps),
+    the turns left out of the step time (they hold the first WARMUP steps), and the turns timed."""
+    turn = min(turn, max(1, steps // 2))
+    warm = -(-WARMUP // turn)
+    return turn, warm, steps // turn - warm
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small", choices=sorted(models.PRESETS))
-    p.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda")
+    p.add_argument("--device", type=_device, default="cpu", help="compute device: cpu (default) or cuda")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--turn", type=int, default=5, help="steps a configuration trains before the next one's turn")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--chunk-size", default="256KiB")
+    p.add_argument("--batch-size", type=_batch_size, default=16)
+    p.add_argument("--chunk-size", type=_chunk_size, default="256KiB")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nvme-path", default=None, help="swap directory (default: a temp dir under the cwd)")
+    p.add_argument("--nvme-path", default=None, help="directory of the swap files' temporary directory, "
+                   "made if missing, as hetero.wrap makes its nvme_path (default: the cwd)")
     p.add_argument("--quick", action="store_true", help="8 steps per configuration")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--no-progress", action="store_true")
@@ -165,11 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     steps = 8 if args.quick else args.steps
     if args.turn < 1:
         p.error(f"--turn {args.turn}: expected a number of steps >= 1")
-    turn = min(args.turn, max(1, steps // 2))
-    warm = -(-WARMUP // turn)  # turns left out of the step time: they hold the first WARMUP steps
-    if steps // turn <= warm:
-        p.error(f"--steps {steps}: expected more than {warm * turn} steps (the first {WARMUP} warm up)")
+    turn, warm, timed = turns(steps, args.turn)
+    if timed < 1:
+        # The fewest steps that leave one timed turn (every count from there on does).
+        least = next(n for n in itertools.count(steps + 1) if turns(n, args.turn)[2] >= 1)
+        p.error(f"--steps {steps} with --turn {args.turn}: expected at least {least} steps (the turns "
+                f"holding the first {WARMUP} steps warm up, and at least one more turn is timed)")
     steps -= steps % turn
+    if args.nvme_path is not None:
+        try:
+            os.makedirs(args.nvme_path, exist_ok=True)
+        except OSError as exc:
+            p.error(f"argument --nvme-path: {args.nvme_path!r}: {exc.strerror or exc}")
     cfg = models.get_config(args.model)
     state = models.state_bytes(models.GPT(cfg))
     swap_dir = tempfile.mkdtemp(prefix="bench-overlap-", dir=args.nvme_path or ".")
@@ -184,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             "nvme_opt": dict(common, device_budget=state // 4, host_budget=int(state * 0.45),
                              nvme_path=swap_dir),
         }
-        runs = [Run(name, cfg, args, kw) for name, kw in configs.items()]
+        try:
+            runs = [Run(name, cfg, args, kw) for name, kw in configs.items()]
+        except hetero.HeteroConfigError as exc:  # e.g. a --chunk-size too large for the budgets
+            p.error(f"--chunk-size {args.chunk_size} on model {args.model}: {exc}")
         data = models.MarkovData(cfg.vocab_size, seed=args.seed)
         for _ in tqdm(range(steps // turn), desc=f"turns of {turn} steps", disable=args.no_progress):
             batches = [data.batch(args.batch_size, cfg.block_size) for _ in range(turn)]

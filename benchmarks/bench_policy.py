@@ -82,14 +82,47 @@ def run(cfg: GPTConfig, policy: str, device_frac: float, host_frac: float | None
     return rep
 
 
+def _at_least_1(what: str):
+    """argparse type of an int >= 1 (0 steps or seeds made empty or all-zero tables)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {what} >= 1")
+        return value
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """argparse type of a budget as a fraction of the training state: > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction of the training state > 0 (e.g. 0.25)")
+    return value
+
+
+def _chunk_size(text: str) -> str:
+    """argparse type of --chunk-size: a size hetero.wrap accepts, kept as written."""
+    try:
+        hetero.config.parse_size(text, "chunk_size", allow_none=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 16KiB, 1MiB)") from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.10, 0.25, 0.50])
-    ap.add_argument("--host", type=float, default=0.30, help="host budget, fraction of the state")
-    ap.add_argument("--chunk-size", default="16KiB")
+    ap.add_argument("--steps", type=_at_least_1("steps"), default=12)
+    ap.add_argument("--budgets", type=_fraction, nargs="+", default=[0.10, 0.25, 0.50])
+    ap.add_argument("--host", type=_fraction, default=0.30, help="host budget, fraction of the state")
+    ap.add_argument("--chunk-size", type=_chunk_size, default="16KiB")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--seeds", type=int, default=1, help="runs pooled per cell (seeds 0..N-1)")
+    ap.add_argument("--seeds", type=_at_least_1("seeds"), default=1, help="runs pooled per cell (seeds 0..N-1)")
     ap.add_argument("--quick", action="store_true", help="6 steps, 25%% budget only")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", metavar="PNG", default=None,
@@ -101,6 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     cases = [(m, b, seed) for m in args.models for b in args.budgets for seed in range(args.seeds)]
     cells: dict[tuple[str, float, str], dict] = {}
     with tempfile.TemporaryDirectory(prefix="hetero-bench-") as swap:
+        for model_name in args.models:  # budgets too small for a model: refused before any run
+            for frac in args.budgets:
+                try:
+                    run(MODELS[model_name], "auto", frac, args.host, 0, args.chunk_size, swap)
+                except hetero.HeteroConfigError as exc:
+                    ap.error(f"--budgets {frac:g} / --host {args.host:g} / --chunk-size {args.chunk_size} "
+                             f"on model {model_name}: {exc}")
         for model_name, frac, seed in tqdm(cases, desc="policy benchmark"):
             cfg = MODELS[model_name]
             real = {p: run(cfg, p, frac, args.host, args.steps, args.chunk_size, swap, seed=seed)

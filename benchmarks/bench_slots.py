@@ -47,13 +47,25 @@ def overhead(model: str, chunk: str, bf16: bool) -> dict:
         wrapped.close()
 
 
+def _chunk(text: str) -> str:
+    """argparse type of --chunks: a size hetero.wrap accepts, kept as written (the rows' name)."""
+    try:
+        hetero.config.parse_size(text, "chunk_size", allow_none=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 256KiB, 64MiB)") from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["small", "medium", "large"], choices=sorted(models.PRESETS))
-    p.add_argument("--chunks", nargs="+", default=["256KiB", "1MiB", "4MiB", "64MiB"])
+    p.add_argument("--chunks", nargs="+", type=_chunk, default=["256KiB", "1MiB", "4MiB", "64MiB"])
     p.add_argument("--json", default=None, help="write the rows as JSON")
     args = p.parse_args(argv)
-    rows = [overhead(m, c, bf16) for m in args.models for c in args.chunks for bf16 in (False, True)]
+    try:
+        rows = [overhead(m, c, bf16) for m in args.models for c in args.chunks for bf16 in (False, True)]
+    except hetero.HeteroConfigError as exc:  # refused by hetero.wrap (arithmetic only: nothing ran)
+        p.error(f"--chunks: {exc}")
     print(f"{'model':8s} {'chunk':>7s} {'dtype':5s} {'blocks':>6s} {'slot':>10s}  "
           f"{'shared slots':>12s} {'whole slots':>11s}   (bytes charged / block bytes)")
     for r in rows:

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-from hetero import cli, models
+from hetero import HeteroConfigError, cli, models
+from hetero.config import parse_size
 
 LOSS_RTOL = 1e-3  # final losses "match" when within this relative tolerance
 
@@ -61,10 +62,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="also train the same model in eager PyTorch and compare")
     parser.add_argument("--json", metavar="PATH", help="write the report and figures as JSON")
     args = parser.parse_args(argv)
+    # Bad values are usage errors up front, not tracebacks from inside the run.
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            parser.error(f"argument {flag}: {value} is not accepted; expected a whole number >= 1")
+    if not 0 <= args.lr < float("inf"):
+        parser.error(f"argument --lr: {args.lr} is not a learning rate >= 0")
+    try:
+        for flag, value in (("--device-budget", args.device_budget), ("--host-budget", args.host_budget),
+                            ("--chunk-size", args.chunk_size)):
+            parse_size(value, flag)
+        device = cli.resolve_device(args.device)
+    except HeteroConfigError as exc:
+        parser.error(str(exc))
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda"
+                                              and (device.index or 0) >= torch.cuda.device_count()):
+        parser.error(f"argument --device: {args.device!r} is not a device this machine has; expected cpu"
+                     f"{', cuda or cuda:N' if torch.cuda.is_available() else ''}")
 
     start = time.perf_counter()
-    twin = EagerTwin(args) if args.compare_eager else None
-    res = cli._run_from_args(args, "hetero train", on_step=twin.step if twin else None)
+    try:  # what hetero.wrap refuses (e.g. a budget too small for a block) it refuses before training
+        twin = EagerTwin(args) if args.compare_eager else None
+        res = cli._run_from_args(args, "hetero train", on_step=twin.step if twin else None)
+    except HeteroConfigError as exc:
+        parser.error(str(exc))
     cli._print_summary(res)
     out = res.json_dict()
 
