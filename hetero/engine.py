@@ -93,11 +93,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from hetero.errors import HeteroConfigError, HeteroIOError
+from hetero.errors import HeteroConfigError, HeteroIOError, HeteroStateError
 
 from hetero.native import ERROR as EXTENSION_ERROR, _C, register_engine
 
@@ -802,6 +802,12 @@ class SwapIO:
         """Finish queued transfers and stop the backend (handles stay waitable). Idempotent."""
         self._engine.shutdown()
 
+    def release(self) -> None:
+        """Shut down and let the backend go now (an io_uring and its eventfd, else kept as long
+        as this object), for an owner done with it; every later call raises HeteroStateError."""
+        self.shutdown()
+        self._engine = _Released()
+
     def __enter__(self) -> SwapIO:
         return self
 
@@ -811,6 +817,17 @@ class SwapIO:
     def __repr__(self) -> str:
         return (f"<SwapIO {self.backend} block_size={self.block_size} "
                 f"queue_depth={self.queue_depth} checksum={self.checksum}>")
+
+
+class _Released:
+    """The backend of a released SwapIO (see :meth:`SwapIO.release`)."""
+
+    def shutdown(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise HeteroStateError("this swap engine was released (its model was closed); expected no "
+                               "use of it after close()")
 
 
 _warned = False

@@ -501,7 +501,7 @@ class Runtime:
                         op.handle.wait()
                     except Exception:  # noqa: BLE001 - reported by the wait that failed
                         pass
-            self.storage.close()
+            self.storage.close(self.blocks())
 
     def defer(self, tier: str, reads: Sequence[Block], writes: Sequence[Block],
               start: Callable[[], Job]) -> None:

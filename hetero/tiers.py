@@ -19,7 +19,7 @@ import shutil
 import socket
 import tempfile
 import weakref
-from typing import Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -506,6 +506,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _release_once(finalizer: "list[weakref.finalize]", *args: Any) -> None:
+    """:func:`_release`, and off atexit's list (whether it runs from close(), a garbage
+    collection or the exit itself)."""
+    atexit.unregister(finalizer[0])
+    _release(*args)
+
+
 def _release(io: "engine.SwapIO", files: "list[engine.SwapFile]", path: str, owner: int) -> None:
     """Close the swap files and remove their directory, from the process that made them only:
     a child forked from it that exits must not take its parent's swap away (nor touch an engine
@@ -521,6 +528,7 @@ def _release(io: "engine.SwapIO", files: "list[engine.SwapFile]", path: str, own
             io.close(f)
         except OSError as exc:
             log.warning("hetero: closing swap file %s failed (%s)", f.path, exc)
+    io.release()  # (its io_uring and eventfd)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -558,8 +566,13 @@ class SwapSpace:
         self.files: list[engine.SwapFile] = []
         # Close the files and remove the directory even if close() is never reached (the
         # module dropped, exceptions, interpreter exit).
-        self._finalizer = weakref.finalize(self, _release, self.io, self.files, self.dir,
+        # (Also registered with atexit: it then runs before the handlers registered earlier,
+        # where weakref's own exit hook is; unregistered once it ran, so that dropped models
+        # leave nothing behind there.)
+        mine: list[weakref.finalize] = []
+        self._finalizer = weakref.finalize(self, _release_once, mine, self.io, self.files, self.dir,
                                            os.getpid())
+        mine.append(self._finalizer)
         atexit.register(self._finalizer)
         try:
             # The probe writes no more than the files will hold: the budget caps disk use.
@@ -596,9 +609,7 @@ class SwapSpace:
 
     def close(self) -> None:
         """Close the swap files and remove the directory (:func:`_release`). Idempotent."""
-        if self._finalizer.alive:
-            self._finalizer()
-            atexit.unregister(self._finalizer)
+        self._finalizer()
 
 
 class TierStorage:
@@ -748,7 +759,12 @@ class TierStorage:
             for s in block.chunk.slots:
                 torch.autograd.graph.increment_version(s.param)
 
-    def close(self) -> None:
+    def close(self, blocks: Iterable[Any]) -> None:
+        """Stop the engines, remove the swap and give back the host arena and the device memory
+        of ``blocks`` (a closed model holds nothing, even while referenced)."""
         self.copier.shutdown()
         if self.swap is not None:
             self.swap.close()
+        self.arena.buffer = self.arena.buffer.new_empty(0)
+        for block in blocks:
+            block.device = None

@@ -559,8 +559,12 @@ class HeteroModule(nn.Module):
 
     @critical
     def close(self) -> None:
-        """Remove the swap files now (otherwise done when the module is garbage collected)."""
-        self._hetero_state.runtime.close()
+        """Remove the swap files and give back the memory the model's state took (otherwise done
+        when the module is garbage collected); the parameters read as NaN placeholders after."""
+        state = self._hetero_state
+        state.runtime.close()
+        for chunk in state.chunks:
+            chunk.detach_params()
 
 
 # ------------------------------------------------------------------------------ wrap
