@@ -64,6 +64,9 @@ from tqdm import tqdm
 
 from hetero.optim import kernel as K
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
+
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
 FP32_BYTES = 28  # per parameter: read p, g, m, v; write p, m, v
 PEERS = ("torch_foreach", "torch_fused", "deepspeed")
@@ -73,30 +76,6 @@ def parse_size(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1)
     return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
-def _list_of(parse: Callable[[str], int], what: str) -> Callable[[str], list[int]]:
-    """argparse type of a comma-separated list of ``what`` >= 1: a usage error, not a traceback."""
-    def parse_list(text: str) -> list[int]:
-        try:
-            values = [parse(s) for s in text.split(",")]
-        except (ValueError, OverflowError):
-            values = []
-        if not values or min(values) < 1:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}")
-        return values
-    return parse_list
-
-
-def _reps(text: str) -> int:
-    """argparse type of --reps: timed steps >= 1 (0 left no time to take the median of)."""
-    try:
-        reps = int(text)
-    except ValueError:
-        reps = 0
-    if reps < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of timed steps >= 1")
-    return reps
 
 
 def load_deepspeed() -> tuple[type | None, str]:
@@ -209,11 +188,12 @@ def kernel_check(n: int = 100_003, steps: int = 3) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=_list_of(parse_size, "parameter counts >= 1 (e.g. 4M,64M)"),
+    parser.add_argument("--sizes", type=argtypes.list_of(parse_size, "parameter counts >= 1 (e.g. 4M,64M)"),
                         default="64M,256M", help="parameter counts (M = 2**20), comma-separated")
-    parser.add_argument("--threads", type=_list_of(int, "thread counts >= 1 (e.g. 1,2)"), default="1,2",
-                        help="thread counts, comma-separated")
-    parser.add_argument("--reps", type=_reps, default=7, help="timed steps per contender (median)")
+    parser.add_argument("--threads", type=argtypes.list_of(int, "thread counts >= 1 (e.g. 1,2)"),
+                        default="1,2", help="thread counts, comma-separated")
+    parser.add_argument("--reps", type=argtypes.whole("timed steps"), default=7,
+                        help="timed steps per contender (median)")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
     parser.add_argument("--json", metavar="PATH", help="write the tracked figures here")
     parser.add_argument("--no-progress", action="store_true")

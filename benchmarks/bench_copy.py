@@ -47,6 +47,9 @@ import torch
 
 from hetero import copies
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
+
 
 def parse_size(text: str) -> int:
     text = text.strip().upper()
@@ -54,29 +57,8 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def _sizes(text: str) -> list[int]:
-    """argparse type of --sizes: copy sizes > 0 (a 0-byte copy made a 0.00 GB/s row)."""
-    try:
-        sizes = [parse_size(s) for s in text.split(",")]
-    except (ValueError, OverflowError):
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sizes > 0 "
-                                         "(e.g. 64K,1M,16M)")
-    return sizes
-
-
-def _at_least_1(what: str) -> Callable[[str], int]:
-    """argparse type of an int >= 1 (--reps 0 used to mean the default; --threads 0 crashed)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {what} >= 1")
-        return value
-    return parse
+# argparse type of --sizes: copy sizes > 0 (a 0-byte copy made a 0.00 GB/s row)
+_sizes = argtypes.list_of(parse_size, "sizes > 0 (e.g. 64K,1M,16M)")
 
 
 def size_name(n: int) -> str:
@@ -359,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=_sizes, default=None, help="copy sizes (K/M/G), comma-separated; "
                         "default 64K,1M,16M,256M (--quick: 1M,64M)")
-    parser.add_argument("--reps", type=_at_least_1("calls"), default=None, help="timed calls per contender "
-                        "(median); default 9 (--quick: 5)")
-    parser.add_argument("--threads", type=_at_least_1("threads"), default=2, help="engine worker threads")
-    parser.add_argument("--overlap-threads", type=_at_least_1("threads"), default=1,
+    parser.add_argument("--reps", type=argtypes.whole("calls"), default=None,
+                        help="timed calls per contender (median); default 9 (--quick: 5)")
+    parser.add_argument("--threads", type=argtypes.whole("threads"), default=2, help="engine worker threads")
+    parser.add_argument("--overlap-threads", type=argtypes.whole("threads"), default=1,
                         help="engine worker threads in the CPU overlap test")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer reps")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA part")

@@ -57,7 +57,10 @@ import torch
 from tqdm import tqdm
 
 from hetero import engine
-from hetero.config import format_size, parse_size
+from hetero.config import format_size
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 1 << 20  # fio's and the plain contenders' block size
@@ -228,36 +231,17 @@ class AioFiles:
         return self.size / (time.perf_counter() - start) / 1e9
 
 
-def _size(text: str) -> int:
-    """argparse type of --size / --request: a usage error, not a traceback, for a bad size."""
-    try:
-        return parse_size(text, "size", allow_none=False)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 64MiB, 1GiB)") from None
-
-
-def _rounds(text: str) -> int:
-    """argparse type of --rounds: an int >= 1 (0 used to mean the default, -1 crashed)."""
-    try:
-        rounds = int(text)
-    except ValueError:
-        rounds = 0
-    if rounds < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of rounds >= 1")
-    return rounds
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=ROOT,
                    help="an existing directory on the disk to measure (a temporary directory is "
                         "made inside it and removed); default: the repository's directory")
-    p.add_argument("--size", type=_size, default=None,
+    p.add_argument("--size", type=argtypes.size_bytes("64MiB, 1GiB"), default=None,
                    help="bytes per contender and round, a multiple of 1MiB (default 1GiB)")
-    p.add_argument("--rounds", type=_rounds, default=None, help="rounds; the median is reported "
-                   "(default 5)")
-    p.add_argument("--request", type=_size, default="64MiB",
+    p.add_argument("--rounds", type=argtypes.whole("rounds"), default=None,
+                   help="rounds; the median is reported (default 5)")
+    p.add_argument("--request", type=argtypes.size_bytes("64MiB, 1GiB"), default="64MiB",
                    help="hetero's request size (the runtime's chunk size; default 64MiB)")
     p.add_argument("--quick", action="store_true", help="256MiB and 3 rounds")
     p.add_argument("--only", nargs="+", choices=["fio", "hetero", "python", "aiofiles"],
@@ -270,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 5)
     if size % BLOCK or request % engine.ALIGNMENT:
         p.error("--size must be a multiple of 1 MiB and --request of 4 KiB")
-    if not os.path.isdir(args.dir) or not os.access(args.dir, os.W_OK | os.X_OK):
-        p.error(f"argument --dir: {args.dir!r} is not an existing writable directory")
+    argtypes.writable_dir(p, "--dir", args.dir)
     wanted = set(args.only or ["fio", "hetero", "python", "aiofiles"])
     work = tempfile.mkdtemp(prefix=".bench_nvme-", dir=args.dir)
     skipped: dict[str, str] = {}

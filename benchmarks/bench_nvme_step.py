@@ -39,6 +39,8 @@ from tqdm import tqdm
 import hetero
 from hetero.optim import kernel as K
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
 from bench_overlap import disk_speed, io_seconds  # noqa: E402
 
 WIDTH = 1024  # each layer: WIDTH x WIDTH fp32 = 1M parameters
@@ -104,32 +106,17 @@ def _params(text: str) -> int:
     return n
 
 
-def _reps(text: str) -> int:
-    """argparse type of --reps: timed steps >= 1 (0 left none to take the median of)."""
-    try:
-        reps = int(text)
-    except ValueError:
-        reps = 0
-    if reps < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of timed steps >= 1")
-    return reps
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=_params, default="16M", help="parameter count (M = 2**20)")
-    p.add_argument("--reps", type=_reps, default=5, help="timed steps (median)")
+    p.add_argument("--reps", type=argtypes.whole("timed steps"), default=5, help="timed steps (median)")
     p.add_argument("--nvme-path", default=None, help="directory of the swap files' temporary directory, "
                    "made if missing, as hetero.wrap makes its nvme_path (default: the cwd)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     n = args.params
-    if args.nvme_path is not None:
-        try:
-            os.makedirs(args.nvme_path, exist_ok=True)
-        except OSError as exc:
-            p.error(f"argument --nvme-path: {args.nvme_path!r}: {exc.strerror or exc}")
+    argtypes.make_dir(p, "--nvme-path", args.nvme_path)
     swap_dir = tempfile.mkdtemp(prefix="bench-nvme-step-", dir=args.nvme_path or ".")
     try:
         disk = disk_speed(swap_dir)

@@ -44,6 +44,9 @@ import hetero
 from hetero import models
 from hetero.plan import measure_disk
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
+
 WARMUP = 3  # steps left out of the traffic medians: the first records the sequence, the next lock on
 
 
@@ -149,39 +152,6 @@ class Run:
         return out
 
 
-def _device(text: str) -> str:
-    """argparse type of --device: cpu, or a CUDA device this machine has."""
-    try:
-        dev = torch.device(text)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; expected cpu, cuda or cuda:N")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} "
-                                         "usable CUDA device(s)")
-    return text
-
-
-def _batch_size(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of sequences >= 1")
-    return n
-
-
-def _chunk_size(text: str) -> str:
-    """argparse type of --chunk-size: a size hetero.wrap accepts, kept as written."""
-    try:
-        hetero.config.parse_size(text, "chunk_size", allow_none=False)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 256KiB, 64MiB)") from None
-    return text
-
-
 def turns(steps: int, turn: int) -> tuple[int, int, int]:
     """For ``steps`` steps and ``--turn``: the turn length the run uses (at most half the steps),
     the turns left out of the step time (they hold the first WARMUP steps), and the turns timed."""
@@ -193,11 +163,12 @@ def turns(steps: int, turn: int) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small", choices=sorted(models.PRESETS))
-    p.add_argument("--device", type=_device, default="cpu", help="compute device: cpu (default) or cuda")
+    p.add_argument("--device", type=argtypes.device, default="cpu",
+                   help="compute device: cpu (default) or cuda")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--turn", type=int, default=5, help="steps a configuration trains before the next one's turn")
-    p.add_argument("--batch-size", type=_batch_size, default=16)
-    p.add_argument("--chunk-size", type=_chunk_size, default="256KiB")
+    p.add_argument("--batch-size", type=argtypes.whole("sequences"), default=16)
+    p.add_argument("--chunk-size", type=argtypes.size("256KiB, 64MiB"), default="256KiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nvme-path", default=None, help="directory of the swap files' temporary directory, "
                    "made if missing, as hetero.wrap makes its nvme_path (default: the cwd)")
@@ -215,11 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps {steps} with --turn {args.turn}: expected at least {least} steps (the turns "
                 f"holding the first {WARMUP} steps warm up, and at least one more turn is timed)")
     steps -= steps % turn
-    if args.nvme_path is not None:
-        try:
-            os.makedirs(args.nvme_path, exist_ok=True)
-        except OSError as exc:
-            p.error(f"argument --nvme-path: {args.nvme_path!r}: {exc.strerror or exc}")
+    argtypes.make_dir(p, "--nvme-path", args.nvme_path)
     cfg = models.get_config(args.model)
     state = models.state_bytes(models.GPT(cfg))
     swap_dir = tempfile.mkdtemp(prefix="bench-overlap-", dir=args.nvme_path or ".")

@@ -46,6 +46,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import hetero  # noqa: E402
 from hetero.models import GPT, GPTConfig, MarkovData, state_bytes  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
+
 POLICIES = ["auto", "opt", "hotness", "lru", "static"]
 BASE = GPTConfig(vocab_size=128, block_size=32, n_layer=8, n_head=2, n_embd=64)
 MODELS = {
@@ -82,47 +85,19 @@ def run(cfg: GPTConfig, policy: str, device_frac: float, host_frac: float | None
     return rep
 
 
-def _at_least_1(what: str):
-    """argparse type of an int >= 1 (0 steps or seeds made empty or all-zero tables)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {what} >= 1")
-        return value
-    return parse
-
-
-def _fraction(text: str) -> float:
-    """argparse type of a budget as a fraction of the training state: > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction of the training state > 0 (e.g. 0.25)")
-    return value
-
-
-def _chunk_size(text: str) -> str:
-    """argparse type of --chunk-size: a size hetero.wrap accepts, kept as written."""
-    try:
-        hetero.config.parse_size(text, "chunk_size", allow_none=False)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 16KiB, 1MiB)") from None
-    return text
+# argparse type of a budget as a fraction of the training state
+FRACTION = argtypes.positive("a fraction of the training state", "0.25")
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=_at_least_1("steps"), default=12)
-    ap.add_argument("--budgets", type=_fraction, nargs="+", default=[0.10, 0.25, 0.50])
-    ap.add_argument("--host", type=_fraction, default=0.30, help="host budget, fraction of the state")
-    ap.add_argument("--chunk-size", type=_chunk_size, default="16KiB")
+    ap.add_argument("--steps", type=argtypes.whole("steps"), default=12)
+    ap.add_argument("--budgets", type=FRACTION, nargs="+", default=[0.10, 0.25, 0.50])
+    ap.add_argument("--host", type=FRACTION, default=0.30, help="host budget, fraction of the state")
+    ap.add_argument("--chunk-size", type=argtypes.size("16KiB, 1MiB"), default="16KiB")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--seeds", type=_at_least_1("seeds"), default=1, help="runs pooled per cell (seeds 0..N-1)")
+    ap.add_argument("--seeds", type=argtypes.whole("seeds"), default=1,
+                    help="runs pooled per cell (seeds 0..N-1)")
     ap.add_argument("--quick", action="store_true", help="6 steps, 25%% budget only")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", metavar="PNG", default=None,

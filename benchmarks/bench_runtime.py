@@ -30,52 +30,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from tqdm import tqdm
 
 from hetero import HeteroConfigError, models
-from hetero.config import parse_size
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
 from bench_policy import run  # noqa: E402  (a recorded training run)
-
-
-def _chunks(text: str) -> list[str]:
-    """argparse type of --chunks: sizes hetero.wrap accepts, kept as written (the rows' names)."""
-    chunks = [s.strip() for s in text.split(",")]
-    try:
-        for chunk in chunks:
-            parse_size(chunk, "chunk_size", allow_none=False)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of sizes > 0 "
-                                         "(e.g. 4MiB,64MiB)") from None
-    return chunks
-
-
-def _number(parse, ok, what: str):
-    """argparse type of a number ``ok`` accepts (a usage error, not a traceback or an empty median)."""
-    def check(text: str):
-        try:
-            value = parse(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-    return check
-
-
-def _positive(x: float) -> bool:
-    return 0 < x < float("inf")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="large", choices=sorted(models.PRESETS))
-    p.add_argument("--chunks", type=_chunks, default="4MiB,16MiB,64MiB", help="chunk sizes, comma-separated")
-    p.add_argument("--device-budget", type=_number(float, _positive, "a fraction of the training state > 0"),
+    p.add_argument("--chunks", type=argtypes.sizes("4MiB,64MiB"), default="4MiB,16MiB,64MiB",
+                   help="chunk sizes, comma-separated")
+    p.add_argument("--device-budget", type=argtypes.positive("a fraction of the training state"),
                    default=0.25, help="fraction of the training state")
     p.add_argument("--steps", default=5, help="steps recorded, >= 2 (the first records the sequence)",
-                   type=_number(int, lambda n: n >= 2, "a number of steps >= 2 (the first records the sequence)"))
-    p.add_argument("--reps", type=_number(int, lambda n: n >= 1, "a number of replays >= 1"), default=7,
+                   type=argtypes.whole("steps", 2, "the first records the sequence"))
+    p.add_argument("--reps", type=argtypes.whole("replays"), default=7,
                    help="replays timed (median)")
-    p.add_argument("--gpu-step-s", type=_number(float, _positive, "a step time in seconds > 0"), default=0.1086,
+    p.add_argument("--gpu-step-s", type=argtypes.positive("a step time in seconds"), default=0.1086,
                    help="GPU step time to compare with (default: the resident GPT 'large' at batch 32 "
                         "on an H200; for another --model pass its step on your GPU)")
     p.add_argument("--json", metavar="PATH")

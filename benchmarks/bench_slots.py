@@ -29,6 +29,9 @@ from hetero import models
 from hetero.runtime import expected_block_bytes
 from hetero.tiers import slot_cost, slot_size_for, slots_for
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
+
 
 def overhead(model: str, chunk: str, bf16: bool) -> dict:
     mp = hetero.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
@@ -47,19 +50,11 @@ def overhead(model: str, chunk: str, bf16: bool) -> dict:
         wrapped.close()
 
 
-def _chunk(text: str) -> str:
-    """argparse type of --chunks: a size hetero.wrap accepts, kept as written (the rows' name)."""
-    try:
-        hetero.config.parse_size(text, "chunk_size", allow_none=False)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0 (e.g. 256KiB, 64MiB)") from None
-    return text
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["small", "medium", "large"], choices=sorted(models.PRESETS))
-    p.add_argument("--chunks", nargs="+", type=_chunk, default=["256KiB", "1MiB", "4MiB", "64MiB"])
+    p.add_argument("--chunks", nargs="+", type=argtypes.size("256KiB, 64MiB"),
+                   default=["256KiB", "1MiB", "4MiB", "64MiB"])
     p.add_argument("--json", default=None, help="write the rows as JSON")
     args = p.parse_args(argv)
     try:

@@ -35,6 +35,9 @@ import hetero  # noqa: E402
 from models import batches  # noqa: E402  (the tests' data)
 from test_mixed_precision import eager_master_recipe, make  # noqa: E402  (the test's recipe)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
+
 VARIANTS = ("base", "deterministic", "flat", "eps")
 
 
@@ -94,23 +97,9 @@ def compare(dtype: torch.dtype, device: str, variant: str) -> list[str]:
     return rows
 
 
-def _device(text: str) -> str:
-    """argparse type of --device: cpu, or a CUDA device this machine has."""
-    try:
-        dev = torch.device(text)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; expected cpu, cuda or cuda:N")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} "
-                                         "usable CUDA device(s)")
-    return text
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=argtypes.device, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = ap.parse_args(argv)
     print(f"hetero mixed precision against torch's fp32-master recipe on {args.device} "

@@ -27,6 +27,9 @@ import torch
 from hetero import HeteroConfigError, cli, models
 from hetero.config import parse_size
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
+import argtypes  # noqa: E402
+
 LOSS_RTOL = 1e-3  # final losses "match" when within this relative tolerance
 
 
@@ -75,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         device = cli.resolve_device(args.device)
     except HeteroConfigError as exc:
         parser.error(str(exc))
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda"
-                                              and (device.index or 0) >= torch.cuda.device_count()):
+    if not argtypes.usable(device):
         parser.error(f"argument --device: {args.device!r} is not a device this machine has; expected cpu"
                      f"{', cuda or cuda:N' if torch.cuda.is_available() else ''}")
 
