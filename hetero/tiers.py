@@ -759,7 +759,7 @@ class TierStorage:
             for s in block.chunk.slots:
                 torch.autograd.graph.increment_version(s.param)
 
-    def close(self, blocks: Iterable[Any]) -> None:
+    def close(self, blocks: Iterable[Any] = ()) -> None:
         """Stop the engines, remove the swap and give back the host arena and the device memory
         of ``blocks`` (a closed model holds nothing, even while referenced)."""
         self.copier.shutdown()
