@@ -25,6 +25,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -415,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # A termination (timeout, a scheduler's preemption) leaves as Ctrl-C does, through the
     # clean-ups that remove the temporary swap directory (hetero holds it until a call returns).
-    previous = signal.signal(signal.SIGTERM, deferring(_terminated))
+    main_thread = threading.current_thread() is threading.main_thread()  # (signals: there only)
+    previous = signal.signal(signal.SIGTERM, deferring(_terminated)) if main_thread else None
     try:
         return args.func(args)
     except HeteroError as exc:
@@ -428,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 class _Terminated(KeyboardInterrupt):

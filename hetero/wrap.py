@@ -131,6 +131,10 @@ class HeteroState:
     def pre_backward(self, call: Call) -> None:
         if call.pinned:
             return
+        # A gradient assigned to .grad since the last backward replaces the parameter's, before
+        # this backward adds to it (torch's AccumulateGrad adds to what .grad holds).
+        self.adopt_grads(s.param for b in call.unit.param_blocks for s in b.chunk.slots
+                         if s.param.grad is not None)
         self.runtime.acquire(call.unit.param_blocks)
         call.pinned = True
         call.unit.backward_pins += 1
@@ -236,6 +240,7 @@ class HeteroState:
         """Raise where a parameter at rest (a NaN placeholder off the device) was written in place
         (``p.fill_``, ``nn.init.*`` outside ``model.apply``): the write reached no block and is
         lost, which would otherwise go unnoticed. Once: the placeholder is NaN again after."""
+        self.runtime.check_open()
         for chunk in chunks:
             names = chunk.written_at_rest()
             if names:
@@ -729,7 +734,13 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
     staging: dict[int, torch.Tensor] = {}
     missing = {c.index: len(c.slots) for c in chunks}
     done: set[int] = set()
+    modules = list(root.modules())
     names = {id(m): name for name, m in root.named_modules()}
+    # A chunk is let go once placed and once every module holding one of its parameters was
+    # initialized: a tied head's reset_parameters() writes the embedding's weight too (lost,
+    # as the tie made it: the values staged first stand).
+    last_holder = {id(p): i for i, m in enumerate(modules) for p in m.parameters(recurse=False)}
+    placed: list[Chunk] = []
 
     def stage(p: nn.Parameter) -> None:
         chunk, slot = slot_of[id(p)]
@@ -744,9 +755,9 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
             if MASTER in chunk.blocks:
                 runtime.create(chunk.blocks[MASTER], flat)
             runtime.create(chunk.blocks[PARAM], flat.to(chunk.dtype))
-            chunk.detach_params()  # (the memory of those materialized here goes)
+            placed.append(chunk)
 
-    for m in root.modules():
+    for i, m in enumerate(modules):
         own = dict(m._parameters) | dict(m._buffers)
         meta = {k: t for k, t in own.items() if t is not None and t.is_meta}
         if meta:
@@ -780,6 +791,9 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
             if b is not None:
                 cast = buffer_dtype if buffer_dtype is not None and b.is_floating_point() else b.dtype
                 m._buffers[name] = b.to(device=device, dtype=cast)
+        for chunk in [c for c in placed if all(last_holder[id(s.param)] <= i for s in c.slots)]:
+            placed.remove(chunk)
+            chunk.detach_params()  # (the memory of those materialized here goes)
     assert not staging and all(v == 0 for v in missing.values())
 
 

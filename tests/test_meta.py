@@ -361,3 +361,25 @@ def test_an_initializer_that_replaces_parameters_is_refused(change, tmp_path):
         hetero.wrap(model, device="cpu", nvme_path=str(tmp_path), param_init_fn=init)
     assert all(p.is_meta for p in model.parameters())
     assert not list(tmp_path.glob("hetero-swap-*"))
+
+
+def test_a_tied_head_with_its_own_meta_bias_materializes():
+    """The head's reset_parameters() writes the tied embedding weight too: letting the
+    embedding's chunk go before the head was initialized made that write fail ("more than one
+    element of the written-to tensor refers to a single memory location")."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(64, 16)
+            self.mid = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 64)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.mid(self.emb(x)))
+
+    with torch.device("meta"):
+        model = Tied()
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="4KiB", device_budget="16KiB")
+    assert torch.isfinite(wrapped(torch.arange(8)[None])).all()
+    assert model.head.weight is model.emb.weight

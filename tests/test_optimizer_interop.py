@@ -269,6 +269,8 @@ def test_step_after_close_raises_even_without_gradients(tight: dict) -> None:
     wrapped.close()
     with pytest.raises(hetero.HeteroStateError, match="closed"):
         opt.step()
+    with pytest.raises(hetero.HeteroStateError, match="closed"):  # (with NVMe it read {})
+        opt.state[next(wrapped.parameters())]
 
 
 @pytest.mark.parametrize("clip", [False, True])
@@ -376,3 +378,45 @@ def test_hyper_parameters_of_other_number_types_are_accepted_as_torch_does() -> 
         assert train(wrapped, hopt, data) == pytest.approx(train(eager, eopt, data), rel=1e-5)
     with pytest.raises(hetero.HeteroConfigError, match="lr"):
         hetero.optim.AdamW(wrapped.parameters(), lr=np.float32(-1))
+
+
+def test_a_gradient_assigned_between_two_backwards_replaces_the_first(tight: dict) -> None:
+    """backward, p.grad = g, backward: torch's gradient is g + the second backward's; hetero
+    kept the first backward's under both."""
+    eager, eopt, wrapped, hopt = pair(tight)
+    (x1, y1), (x2, y2) = batches(2, seed=9)
+    norms = []
+    for model in (eager, wrapped):
+        loss_of(model(x1, y1)).backward()
+        p = list(model.parameters())[2]
+        p.grad = torch.full_like(p, 0.25)
+        loss_of(model(x2, y2)).backward()
+        norms.append(model.clip_grad_norm_(1e9) if model is wrapped
+                     else torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    torch.testing.assert_close(norms[1].cpu(), norms[0])
+
+
+def test_optimizer_states_of_complex_parameters_and_empty_entries_load() -> None:
+    """A complex parameter's moments are complex (torch's and hetero's state_dict alike), and
+    torch saves {} for a parameter whose state was only looked at: both were refused."""
+    class C(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.z = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+            self.w = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w(torch.view_as_real(x.to(torch.complex64) @ self.z).sum(-1)).pow(2).mean()
+
+    torch.manual_seed(0)
+    eager = C()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu")
+    eopt, hopt = torch.optim.AdamW(eager.parameters()), hetero.optim.AdamW(wrapped.parameters())
+    for model, opt in ((eager, eopt), (wrapped, hopt)):
+        model(torch.randn(2, 4)).backward()
+        opt.step()
+    saved = copy.deepcopy(eopt.state_dict())
+    saved["state"][1] = {}  # (as torch saves a parameter whose state was only looked at)
+    hopt.load_state_dict(copy.deepcopy(hopt.state_dict()))
+    hopt.load_state_dict(saved)
+    assert 1 not in hopt.state_dict()["state"] and hopt.state_dict()["state"][0]["exp_avg"].is_complex()

@@ -284,3 +284,15 @@ def test_step_traffic_has_an_entry_per_step() -> None:
     d = model.placement_report().as_dict()
     assert len(d["step_traffic"]) == len(d["step_stall_seconds"]) == d["steps"] == 3
     assert all(v == 0 for t in d["step_traffic"] for v in t.values())
+
+
+def test_the_cli_runs_from_another_thread(capsys) -> None:
+    """Its SIGTERM handler is the main thread's only (signal.signal raised elsewhere)."""
+    import threading
+
+    rc = []
+    t = threading.Thread(target=lambda: rc.append(cli.main(["train", "--model", "tiny", "--steps", "1",
+                                                            "--batch-size", "2", "--no-nvme", "--no-progress"])))
+    t.start()
+    t.join()
+    assert rc == [0]

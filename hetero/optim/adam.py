@@ -596,7 +596,8 @@ class Adam(torch.optim.Optimizer):
         keys = [k for g in saved_groups for k in g["params"]]
         if self._state is not None:
             self._check_owner()
-            entries = {id(slot): (chunk, slot, saved_state.get(keys[i])) for i, chunk, slot in self._slots_in_order()}
+            entries = {id(slot): (chunk, slot, saved_state.get(keys[i]) or None)  # ({}: no state)
+                       for i, chunk, slot in self._slots_in_order()}
             for i, (_, slot, entry) in enumerate(entries.values()):
                 _check_entry(keys[i], slot, entry)
             self._write_states(entries)
@@ -680,6 +681,7 @@ class _StateView(collections.abc.Mapping):
             id(p): (p, *st.slot_of[id(p)]) for g in opt.param_groups for p in g["params"]}
 
     def _has(self, slot: ParamSlot) -> bool:
+        self._opt._state.runtime.check_open()  # (a closed model's state is gone)
         return bool(slot.step) and slot.owner is not None and slot.owner() is self._opt
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -715,7 +717,7 @@ class _StateView(collections.abc.Mapping):
 
 def _check_entry(key: Any, slot: ParamSlot, entry: Any) -> None:
     """Refuse, before anything is written, a saved per-parameter state that cannot be loaded."""
-    if entry is None:
+    if entry is None or isinstance(entry, Mapping) and not entry:  # ({}: torch's "no state yet")
         return
     where = f"state_dict's state[{key!r}] (parameter {slot.names[0]!r}, shape {tuple(slot.shape)})"
     if not isinstance(entry, Mapping) or not all(k in entry for k in ("step", EXP_AVG, EXP_AVG_SQ)):
@@ -727,9 +729,9 @@ def _check_entry(key: Any, slot: ParamSlot, entry: Any) -> None:
         raise HeteroConfigError(f"{where}: 'step' is {_short(step)}; expected a number or a one-element tensor")
     for kind in (EXP_AVG, EXP_AVG_SQ):
         t = entry[kind]
-        if not isinstance(t, torch.Tensor) or t.shape != slot.shape or not t.is_floating_point():
-            raise HeteroConfigError(f"{where}: {kind!r} is {_short(t)}; expected a floating-point tensor "
-                                    f"of the parameter's shape {tuple(slot.shape)}")
+        if not isinstance(t, torch.Tensor) or t.shape != slot.shape or not (t.is_floating_point() or t.is_complex()):
+            raise HeteroConfigError(f"{where}: {kind!r} is {_short(t)}; expected a floating-point (or "
+                                    f"complex) tensor of the parameter's shape {tuple(slot.shape)}")
 
 
 def _short(value: Any) -> str:
