@@ -330,20 +330,23 @@ def test_grad_scaler_with_two_optimizers_over_one_model(tight: dict) -> None:
     assert_same_model(eager, wrapped)
 
 
+class Rotor(torch.nn.Module):
+    """A complex parameter (then a real layer): a loss of a real input."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.z = torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.complex64))
+        self.out = torch.nn.Linear(rows, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.view_as_real(x.to(torch.complex64) @ self.z.T).sum(-1)).pow(2).mean()
+
+
 def test_complex_parameters_step_as_torch_s() -> None:
     """torch's Adam updates a complex parameter as its real and imaginary parts; hetero's took
     complex products (exp_avg_sq with negative real parts)."""
-    class Rotor(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.z = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.complex64))
-            self.out = torch.nn.Linear(16, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(torch.view_as_real(x.to(torch.complex64) @ self.z.T).sum(-1)).pow(2).mean()
-
     torch.manual_seed(0)
-    eager = Rotor()
+    eager = Rotor(16, 8)
     wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="1KiB", device_budget=2200)
     eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
@@ -399,17 +402,8 @@ def test_a_gradient_assigned_between_two_backwards_replaces_the_first(tight: dic
 def test_optimizer_states_of_complex_parameters_and_empty_entries_load() -> None:
     """A complex parameter's moments are complex (torch's and hetero's state_dict alike), and
     torch saves {} for a parameter whose state was only looked at: both were refused."""
-    class C(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.z = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
-            self.w = torch.nn.Linear(4, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.w(torch.view_as_real(x.to(torch.complex64) @ self.z).sum(-1)).pow(2).mean()
-
     torch.manual_seed(0)
-    eager = C()
+    eager = Rotor(4, 4)
     wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu")
     eopt, hopt = torch.optim.AdamW(eager.parameters()), hetero.optim.AdamW(wrapped.parameters())
     for model, opt in ((eager, eopt), (wrapped, hopt)):
