@@ -617,6 +617,24 @@ def _check_params(module: nn.Module) -> None:
                 "hetero keeps gradients in dense blocks; expected sparse=False")
 
 
+def _check_ignored_classes(module: nn.Module, given: Any, mp: Any) -> None:
+    """torch's MixedPrecision keeps ``_module_classes_to_ignore`` (BatchNorm by default) in full
+    precision, which hetero does not: such a module with floating buffers left in their own
+    dtype would fail in its first forward (bf16 inputs, fp32 running stats), so say it here."""
+    ignored = tuple(getattr(given, "_module_classes_to_ignore", ()) or ())
+    if mp is None or mp.param_dtype in (None, torch.float32) or mp.buffer_dtype == mp.param_dtype:
+        return
+    for name, m in module.named_modules():
+        if ignored and isinstance(m, ignored) and any(b.is_floating_point() for b in m.buffers(recurse=False)):
+            raise HeteroConfigError(
+                f"mixed_precision: module {name!r} ({type(m).__name__}) is of a class in torch's "
+                f"MixedPrecision._module_classes_to_ignore, which FSDP runs in full precision; hetero "
+                f"runs every module in param_dtype={mp.param_dtype}, and its buffers would stay "
+                f"{next(b.dtype for b in m.buffers(recurse=False) if b.is_floating_point())}; expected "
+                f"buffer_dtype={mp.param_dtype} (buffers in the compute dtype) or "
+                "hetero.MixedPrecision with one")
+
+
 def _check_process_group(process_group: Any) -> None:
     import torch.distributed as dist
 
@@ -843,6 +861,7 @@ def wrap(
                                 f"({bad[0]!r}); expected a module on the CPU or the meta device")
     _check_process_group(cfg.process_group)
     _check_params(module)
+    _check_ignored_classes(module, mixed_precision, cfg.mixed_precision)
     if any(state_of(p) is not None for p in module.parameters()):
         raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
 

@@ -140,3 +140,17 @@ def test_buffers_come_back_in_their_own_dtypes() -> None:
     assert got["wide"].item() == torch.tensor(1.2345678901234567).to(torch.bfloat16).item()
     assert torch.equal(got["1.num_batches_tracked"], want["1.num_batches_tracked"])
     wrapped.close()
+
+
+def test_torch_s_mixed_precision_with_batchnorm_is_refused_up_front():
+    """torch's MixedPrecision keeps BatchNorm in fp32 (_module_classes_to_ignore); hetero runs it
+    in param_dtype, and with fp32 running stats the first forward failed with a bare
+    'expected scalar type BFloat16 but found Float'. With buffer_dtype the compute dtype it trains."""
+    from torch.distributed.fsdp import MixedPrecision as TorchMP
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    with pytest.raises(hetero.HeteroConfigError, match="'1'.*BatchNorm1d.*buffer_dtype"):
+        hetero.wrap(model, device="cpu", mixed_precision=TorchMP(param_dtype=torch.bfloat16))
+    wrapped = hetero.wrap(model, device="cpu", mixed_precision=TorchMP(param_dtype=torch.bfloat16,
+                                                                       buffer_dtype=torch.bfloat16))
+    wrapped(torch.randn(4, 8)).float().sum().backward()
