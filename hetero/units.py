@@ -279,6 +279,9 @@ def register_hooks(state_ref: StateRef, unit: Unit) -> None:
             output = _hook_backward(state_ref, "pre_backward", call, output, into_dataclasses=True)
         return output
 
+    # Never traced by torch.compile (it ran the runtime's bookkeeping on fake tensors and left
+    # the weights corrupted): a compiled module breaks its graph around them.
+    pre_forward, post_forward = torch._dynamo.disable(pre_forward), torch._dynamo.disable(post_forward)
     # First: forward pre-hooks the model already had (weight_norm's, pruning's) read parameters.
     unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True)
     unit.module.register_forward_hook(post_forward)
@@ -303,8 +306,8 @@ def _register_direct_hooks(unit: Unit, module: nn.Module, pre_forward: Callable[
     def post(mod: nn.Module, args: tuple, output: Any) -> Any:
         return post_forward(mod, args, output) if acted.pop() else None
 
-    module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    module.register_forward_hook(post)
+    module.register_forward_pre_hook(torch._dynamo.disable(pre), with_kwargs=True, prepend=True)
+    module.register_forward_hook(torch._dynamo.disable(post))
 
 
 def unit_blocks(chunks_of_params: list[Optional[Block]]) -> list[Block]:

@@ -313,6 +313,11 @@ class Adam(torch.optim.Optimizer):
 
     def _update(self, st: "HeteroState") -> None:
         """The step proper (see :meth:`step`), timed there for the profiler's trace."""
+        if torch._C._current_graph_task_id() != -1:
+            raise HeteroStateError(
+                "optimizer.step() was called inside a backward pass (torch's 'optimizer step in "
+                "backward' recipe, from a gradient hook): hetero's units and gradient blocks are "
+                "held by the backward until it ends; expected step() after backward() returns")
         for i, group in enumerate(self.param_groups):
             _check_supported(group, f"param_groups[{i}]: ")
         self._check_frozen()
