@@ -13,6 +13,7 @@ half a slot share slots (:class:`Slab`), in units of a sixteenth of one.
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import copies, engine
-from .errors import HeteroConfigError
+from .errors import HeteroConfigError, HeteroIOError
 
 log = logging.getLogger(__name__)
 
@@ -579,8 +580,19 @@ class SwapSpace:
             self.io.tune(self.dir, max_bytes=sum(self.slots) * slot_size)
             for i, n in enumerate(self.slots):  # (a full disk fails here, reserving the space)
                 self.files.append(self.io.open(os.path.join(self.dir, f"swap-{i}.bin"), n * slot_size))
-        except BaseException:
+        except HeteroIOError as exc:
             self.close()  # the files reserved so far: their space is free again at once
+            if exc.errno != errno.ENOSPC:
+                raise
+            total = sum(self.slots) * slot_size
+            raise HeteroIOError(
+                errno.ENOSPC, f"nvme_budget: the NVMe tier reserves its swap files up front, "
+                f"{total} bytes here (the budget, or less where the model's state needs less), and "
+                f"the file system under {parent!r} has {shutil.disk_usage(parent).free} bytes free; "
+                "expected a smaller nvme_budget (None: 90% of the free space) or more free space",
+                exc.filename) from exc
+        except BaseException:
+            self.close()
             raise
         self.pools = [SlotPool(n, slot_size) for n in self.slots]
         log.info("NVMe tier: %d swap file(s) of %s slots of %d bytes in %s (direct I/O: %s)",

@@ -917,6 +917,7 @@ def wrap(
     try:
         _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device,
                      mp.buffer_dtype if mp else None)
+        runtime.drain()  # (a failed write of the state placed here fails wrap, not a later call)
     except BaseException:
         runtime.close()
         for c in chunks:  # give the caller's model back as it was

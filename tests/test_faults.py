@@ -448,3 +448,26 @@ def test_a_failed_optimizer_load_near_capacity_keeps_each_parameter_consistent(t
     for i, st in now.items():
         assert torch.equal(st["exp_avg"], new["state"][i]["exp_avg"]) and float(st["step"]) == float(new["state"][i]["step"])
     model.close()
+
+
+def test_a_failed_write_at_the_end_of_wrap_fails_wrap(tmp_path):
+    """The last writes of the state wrap places were not waited for: a fault there was raised
+    by the first state_dict() after wrap returned."""
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
+
+    total = 16 * sum(p.numel() for p in make().parameters())
+    kw = dict(device="cpu", device_budget=total // 12, host_budget=65536, nvme_path=str(tmp_path),
+              chunk_size="16KiB")
+    hetero.wrap(make(), **kw).close()  # (the swap tuning, once)
+    for after in range(12):
+        engine.inject_fault("eio", after=after)
+        try:
+            model = hetero.wrap(make(), **kw)
+        except hetero.HeteroIOError:
+            continue
+        finally:
+            engine.inject_fault("none")
+        model.state_dict()  # (raised the fault of wrap's own last write)
+        model.close()

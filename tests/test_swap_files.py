@@ -10,6 +10,7 @@ left. It never holds more than ``nvme_budget`` bytes on disk.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import stat
@@ -490,8 +491,9 @@ def test_a_wrap_the_disk_cannot_hold_gives_its_space_back(tmp_path):
         total = state_bytes(model)
         kwargs = dict(device="cpu", device_budget=int(total * 0.5), host_budget=int(total * 0.6),
                       nvme_path=str(fs / "swap"), chunk_size="8KiB")
-        with pytest.raises(hetero.HeteroIOError):
-            hetero.wrap(model, nvme_budget=3 << 20, **kwargs)
+        with pytest.raises(hetero.HeteroIOError, match="nvme_budget: .* reserves .* bytes free") as err:
+            hetero.wrap(model, nvme_budget=3 << 20, **kwargs)  # (it named a swap file alone)
+        assert err.value.errno == errno.ENOSPC
         assert shutil.disk_usage(fs).used < 64 << 10
         assert swap_dirs(fs / "swap") == []
         wrapped = hetero.wrap(model, nvme_budget=600 << 10, **kwargs)
