@@ -92,6 +92,7 @@ class Adam(torch.optim.Optimizer):
         self._state = None
         self._frozen: list[tuple[torch.Tensor, str]] = []  # parameters of chunks packed frozen
         self._queue = AdamQueue()  # runs deferred host updates, in order, off the GIL
+        self._host_fits: dict[tuple[int, int], bool] = {}  # see _host_holds
         super().__init__(params, defaults)
 
     @property
@@ -243,15 +244,21 @@ class Adam(torch.optim.Optimizer):
         whose enclosing units are pinned); else the host."""
         rt = self._state.runtime
         blocks = list(chunk.blocks.values())
-        if DEVICE not in chunk.blocks[EXP_AVG].tiers and self._host_holds(blocks):
+        if DEVICE not in chunk.blocks[EXP_AVG].tiers and self._host_holds(chunk):
             return HOST
         room = rt.tiers[DEVICE].capacity - rt.pinned_bytes(DEVICE, besides=blocks)
         return DEVICE if sum(b.nbytes for b in blocks) <= room else HOST
 
-    def _host_holds(self, blocks: list[Block]) -> bool:
-        """Whether the host budget, empty, holds ``blocks`` (one update's) together."""
-        rt = self._state.runtime
-        return sum(rt.slot_bytes(b.nbytes) for b in blocks) <= rt.tiers[HOST].capacity
+    def _host_holds(self, chunk: Chunk) -> bool:
+        """Whether the host budget, empty, holds ``chunk``'s blocks (one update's) together;
+        asked for every update, known once per chunk and set of blocks."""
+        key = (chunk.index, len(chunk.blocks))
+        fits = self._host_fits.get(key)
+        if fits is None:
+            rt = self._state.runtime
+            fits = self._host_fits[key] = (sum(rt.slot_bytes(b.nbytes) for b in chunk.blocks.values())
+                                           <= rt.tiers[HOST].capacity)
+        return fits
 
     @staticmethod
     def _written(chunk: Chunk) -> list[Block]:
@@ -601,10 +608,13 @@ class Adam(torch.optim.Optimizer):
         keys = [k for g in saved_groups for k in g["params"]]
         if self._state is not None:
             self._check_owner()
-            entries = {id(slot): (chunk, slot, saved_state.get(keys[i]) or None)  # ({}: no state)
-                       for i, chunk, slot in self._slots_in_order()}
-            for i, (_, slot, entry) in enumerate(entries.values()):
+            entries = {}
+            for i, chunk, slot in self._slots_in_order():
+                entry = saved_state.get(keys[i])
+                if isinstance(entry, Mapping) and not entry:
+                    entry = None  # ({}: torch's "no state yet")
                 _check_entry(keys[i], slot, entry)
+                entries[id(slot)] = (chunk, slot, entry)
             self._write_states(entries)
         for saved, group in zip(saved_groups, self.param_groups):
             for k, v in saved.items():
@@ -722,7 +732,7 @@ class _StateView(collections.abc.Mapping):
 
 def _check_entry(key: Any, slot: ParamSlot, entry: Any) -> None:
     """Refuse, before anything is written, a saved per-parameter state that cannot be loaded."""
-    if entry is None or isinstance(entry, Mapping) and not entry:  # ({}: torch's "no state yet")
+    if entry is None:
         return
     where = f"state_dict's state[{key!r}] (parameter {slot.names[0]!r}, shape {tuple(slot.shape)})"
     if not isinstance(entry, Mapping) or not all(k in entry for k in ("step", EXP_AVG, EXP_AVG_SQ)):
