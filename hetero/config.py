@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 
 import psutil
 import torch
+import torch.distributed as dist
 
 from . import engine
 from .errors import HeteroConfigError
@@ -150,6 +151,17 @@ def _parse_device(device: Any) -> torch.device:
     if dev.type != "cpu":
         raise HeteroConfigError(f"device={device!r} is not supported; expected {accepted}")
     return dev
+
+
+def local_world_size() -> int:
+    """Ranks sharing this machine (torchrun's LOCAL_WORLD_SIZE), among which the default host and
+    NVMe budgets are divided; 1 without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _default_device_budget(device: torch.device) -> int:
@@ -310,10 +322,10 @@ def resolve(
         device=dev,
         device_budget=dev_budget if dev_budget is not None else _default_device_budget(dev),
         host_budget=host if host is not None
-        else int(psutil.virtual_memory().available * HOST_DEFAULT_FRACTION),
+        else int(psutil.virtual_memory().available * HOST_DEFAULT_FRACTION) // local_world_size(),
         nvme_path=path,
         nvme_budget=0 if path is None else
-        (nvme if nvme is not None else int(_free_space_under(path) * NVME_DEFAULT_FRACTION)),
+        (nvme if nvme is not None else int(_free_space_under(path) * NVME_DEFAULT_FRACTION) // local_world_size()),
         policy=policy,
         chunk_size=chunk,
         prefetch=prefetch,

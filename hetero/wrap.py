@@ -22,7 +22,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
-from .config import Config, exact_size, format_size, raise_budget_advice
+from .config import Config, ShardingStrategy, exact_size, format_size, raise_budget_advice
+from .distributed import Replicas, average_gradients, broadcast_states, resolve_group
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .interrupts import critical, install as install_interrupts
 from .policies import claim, make_policy, starting_copy
@@ -56,7 +57,7 @@ class HeteroState:
     """Everything hetero knows about one wrapped model; shared by the hooks and the optimizer."""
 
     def __init__(self, cfg: Config, root: nn.Module, units: list[Unit], chunks: list[Chunk],
-                 runtime: Runtime, policy_start: Any) -> None:
+                 runtime: Runtime, policy_start: Any, replicas: Optional[Replicas] = None) -> None:
         self.cfg = cfg
         self.root = root
         self.units = units
@@ -67,7 +68,9 @@ class HeteroState:
         self.summoned = False
         self._summoned_writeback = False  # (the outermost summon's)
         self.buffer_dtypes: dict[str, torch.dtype] = {}  # as wrap found them (state_dict gives those)
-        self.sync_grads = True
+        self.sync_grads = True  # (False inside no_sync())
+        self.replicas = replicas  # the other ranks holding the same state (None: one process)
+        self.grads_due = False  # a backward outside no_sync() left gradients to average
         self.policy_start = policy_start  # what a replay starts from (policies.starting_copy)
         # The grad block the backward is accumulating into, kept acquired on the device across
         # consecutive gradients of its chunk (see accumulate_grad).
@@ -131,6 +134,7 @@ class HeteroState:
     def pre_backward(self, call: Call) -> None:
         if call.pinned:
             return
+        self.grads_due |= self.sync_grads
         # A gradient assigned to .grad since the last backward replaces the parameter's, before
         # this backward adds to it (torch's AccumulateGrad adds to what .grad holds).
         self.adopt_grads(s.param for b in call.unit.param_blocks for s in b.chunk.slots
@@ -178,6 +182,7 @@ class HeteroState:
         the minimum device budget allows for)."""
         chunk, slot = self.slot_of[id(param)]
         grad, param.grad = param.grad, None
+        self.grads_due |= self.sync_grads
         if grad is not None:  # (None: every path to it passed no gradient; it gets none, as in eager)
             self._accumulate(chunk, slot, grad)
         for call in [c for c in self._waiting if id(param) in c.waiting]:
@@ -251,6 +256,18 @@ class HeteroState:
                     "copies and is lost; expected writes inside summon_full_params() (or "
                     "model.apply(fn), which summons), or load_state_dict()")
 
+    @critical
+    def reduce_gradients(self) -> None:
+        """Average the gradients over the ranks if a backward outside ``no_sync()`` ran since the
+        last time (:mod:`hetero.distributed`): called by every reader of gradients (the
+        optimizer's step, ``clip_grad_norm_``, the scaler's unscale) after adopt_grads."""
+        if self.replicas is None or not self.grads_due:
+            return
+        self.runtime.check_open()
+        self.drop_stale_pins()
+        average_gradients(self.replicas, self.runtime, self.chunks)
+        self.grads_due = False
+
     def release_grad_pin(self) -> None:
         """Let the grad block being accumulated into go (it may be evicted again)."""
         if self._grad_pin is not None:
@@ -266,6 +283,8 @@ class HeteroState:
         their grad blocks, and any assigned to ``param.grad`` (:meth:`adopt_grads`)."""
         self.runtime.check_open()
         self.drop_stale_pins()
+        if params is None:
+            self.grads_due = False  # (nothing left to average)
         assigned = [s.param for c in self.chunks for s in c.slots
                     if s.param.grad is not None and (params is None or id(s.param) in params)]
         if set_to_none:
@@ -503,8 +522,9 @@ class HeteroModule(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without reducing them across ranks (one process: no reduction
-        happens anyway; gradients accumulate in the grad blocks as usual)."""
+        """Accumulate gradients without averaging them across ranks: backwards inside it leave
+        their gradients local, to be averaged together with those of the next backward outside
+        it (as DDP's and FSDP's ``no_sync``; one process: nothing to average)."""
         prev, self._hetero_state.sync_grads = self._hetero_state.sync_grads, False
         try:
             yield
@@ -555,6 +575,7 @@ class HeteroModule(nn.Module):
         self._hetero_state.runtime.check_open()
         self._hetero_state.drop_stale_pins()
         self._hetero_state.adopt_grads(self.module.parameters())
+        self._hetero_state.reduce_gradients()
         return clip_grad_norm_(self._hetero_state, self.module.parameters(), max_norm, norm_type)
 
     def placement_report(self) -> "Report":
@@ -633,21 +654,6 @@ def _check_ignored_classes(module: nn.Module, given: Any, mp: Any) -> None:
                 f"{next(b.dtype for b in m.buffers(recurse=False) if b.is_floating_point())}; expected "
                 f"buffer_dtype={mp.param_dtype} (buffers in the compute dtype) or "
                 "hetero.MixedPrecision with one")
-
-
-def _check_process_group(process_group: Any) -> None:
-    import torch.distributed as dist
-
-    if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
-        raise HeteroConfigError(f"process_group={process_group!r} is not accepted; expected a "
-                                "torch.distributed ProcessGroup or None")
-    if process_group is None and not (dist.is_available() and dist.is_initialized()):
-        return
-    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
-    if world > 1:
-        raise NotImplementedError(
-            f"hetero.wrap: a process group of {world} ranks is not supported yet (multi-process "
-            "sharding is planned); run one process, or pass a single-rank process_group")
 
 
 def _minimum_device_budget(units: list[Unit], parents: list[Optional[int]]) -> int:
@@ -831,11 +837,16 @@ def wrap(
     mixed_precision: Any = None,
     process_group: Any = None,
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+    sync_module_states: bool = False,
     log_steps: Optional[int] = None,
 ) -> HeteroModule:
     """Place ``module``'s training state across device, host and NVMe under hard budgets.
 
-    See ``shared/API.md`` for every argument. ``log_steps`` (beyond API.md): the report's logs
+    See ``shared/API.md`` for every argument. With a process group of several ranks, each rank
+    holds the whole state under its own budgets and gradients are averaged over the ranks
+    (:mod:`hetero.distributed`: data parallelism, whatever ``sharding_strategy`` says).
+    ``sync_module_states`` (beyond API.md, as FSDP's): every rank starts from rank 0's
+    parameters and buffers. ``log_steps`` (beyond API.md): the report's logs
     (events, accesses, moves, tier usage, stalls, compute spans) keep only about the last
     ``log_steps`` optimizer steps, so that a long run's memory does not grow with it (the
     per-step totals, a few hundred bytes a step, are kept whole; a loop of forwards without
@@ -859,7 +870,10 @@ def wrap(
     if bad:
         raise HeteroConfigError(f"module has parameters on {module.get_parameter(bad[0]).device} "
                                 f"({bad[0]!r}); expected a module on the CPU or the meta device")
-    _check_process_group(cfg.process_group)
+    if not isinstance(sync_module_states, bool):
+        raise HeteroConfigError(f"sync_module_states={sync_module_states!r} is not accepted; expected True or False")
+    group = resolve_group(cfg.process_group)
+    replicas = Replicas(group, cfg.device) if group is not None else None
     _check_params(module)
     _check_ignored_classes(module, mixed_precision, cfg.mixed_precision)
     if any(state_of(p) is not None for p in module.parameters()):
@@ -894,6 +908,12 @@ def wrap(
     units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]),
                   trainable=_done_by(found, leaf=i not in parents), holders=holders)
              for i, ((name, m), found, holders) in enumerate(zip(chosen, per_unit, unit_holders(chosen)))]
+    if replicas is not None:
+        replicas.check_same_layout(chunks, cfg)
+        if cfg.sharding_strategy is not ShardingStrategy.NO_SHARD:
+            log.warning("hetero.wrap: sharding_strategy=%s runs as NO_SHARD: each of the %d ranks holds "
+                        "the whole state under its own budgets, gradients are averaged",
+                        cfg.sharding_strategy.value, replicas.world)
     _check_budgets(cfg, units, parents, chunks)
     if cfg.param_init_fn is None:
         for name, m in module.named_modules():
@@ -917,6 +937,8 @@ def wrap(
     try:
         _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device,
                      mp.buffer_dtype if mp else None)
+        if replicas is not None and sync_module_states:
+            broadcast_states(replicas, runtime, chunks, module)
         runtime.drain()  # (a failed write of the state placed here fails wrap, not a later call)
     except BaseException:
         runtime.close()
@@ -931,7 +953,7 @@ def wrap(
         for m, name, b in buffers:
             m._buffers[name] = b
         raise
-    state = HeteroState(cfg, module, units, chunks, runtime, policy_start)
+    state = HeteroState(cfg, module, units, chunks, runtime, policy_start, replicas)
     state.buffer_dtypes = buffer_dtypes
     for c in chunks:  # at rest, as off the device: the caller's tensors are not the state any more
         c.detach_params()

@@ -212,6 +212,11 @@ def test_bad_process_group(tmp_path):
     expect_config_error("process_group", 42, tmp_path, process_group=42)
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bad_sync_module_states(tmp_path, value):
+    expect_config_error("sync_module_states", value, tmp_path, sync_module_states=value)
+
+
 def test_errors_are_value_and_memory_errors():
     assert issubclass(hetero.HeteroConfigError, ValueError)
     assert issubclass(hetero.HeteroOOMError, MemoryError)

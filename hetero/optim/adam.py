@@ -333,6 +333,7 @@ class Adam(torch.optim.Optimizer):
         rt = st.runtime
         rt.catch_up()  # the last step's postponed updates first: they read its gradients
         st.adopt_grads(p for g in self.param_groups for p in g["params"])
+        st.reduce_gradients()
         groups = self._group_index()
         defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
         work = [self._plan(c, runs, groups)

@@ -37,6 +37,7 @@ class GradScaler(torch.amp.GradScaler):
         # (fp16 gradients are fine: the pending scale is applied in fp32 where they are read)
         ours = {id(p) for g in optimizer.param_groups for p in g["params"]}
         state.adopt_grads(p for g in optimizer.param_groups for p in g["params"])
+        state.reduce_gradients()  # (inf/NaN on any rank is then on every rank: all skip the step)
         rt = state.runtime
         bad = torch.zeros((), dtype=torch.bool)
         scale = inv_scale.to(torch.float32)

@@ -1,0 +1,271 @@
+"""Data parallelism over torch.distributed (gloo, two CPU processes): every rank trains its own
+batches through hetero under tight budgets, and the losses and weights equal torch's
+DistributedDataParallel on the same batches, step by step."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import (
+    assert_same_model,
+    assert_within_budgets,
+    loss_of,
+    seeded_gpt,
+    tight_budgets,
+)
+from models import GPT, batches
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetero
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+WORLD = 2
+
+
+def _spawn(case: str, tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(case, str(tmp_path)), nprocs=WORLD, join=True)
+
+
+def _worker(rank: int, case: str, tmp: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("HETERO_IO_CHECKSUM", "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))  # (a rank that failed: no hang)
+    try:
+        CASES[case](rank, Path(tmp) / f"rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _budgets(kind: str, where: Path, **extra) -> dict:
+    where.mkdir(parents=True, exist_ok=True)
+    return tight_budgets(kind, where) | extra
+
+
+def _train_both(rank: int, eager: nn.Module, wrapped: hetero.HeteroModule, steps: int, *,
+                micro: int = 1, clip: float | None = None, find_unused: bool = False) -> None:
+    """DDP over ``eager`` and ``wrapped`` on this rank's batches (``micro`` micro-batches per step,
+    all but the last under no_sync); losses, clipped norms and weights compared every step."""
+    ddp = DDP(eager, find_unused_parameters=find_unused)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+    data = batches(steps * micro, seed=100 + rank)  # each rank its own batches
+    for step in range(steps):
+        for i, (x, y) in enumerate(data[step * micro:(step + 1) * micro]):
+            last = i == micro - 1
+            with (ddp.no_sync() if not last else torch.enable_grad()):
+                el = loss_of(ddp(x, y)) / micro
+                el.backward()
+            with (wrapped.no_sync() if not last else torch.enable_grad()):
+                hl = loss_of(wrapped(x, y)) / micro
+                hl.backward()
+            torch.testing.assert_close(hl, el)
+        if clip is not None:
+            en = torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+            hn = wrapped.clip_grad_norm_(clip)
+            torch.testing.assert_close(hn.cpu(), en)
+        eopt.step(), hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    assert_within_budgets(wrapped)
+
+
+def _case_nvme_auto(rank: int, where: Path) -> None:
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
+    _train_both(rank, eager, wrapped, steps=3)
+    others = [torch.zeros(1) for _ in range(WORLD)]  # the ranks really trained on different data:
+    dist.all_gather(others, torch.tensor([float(rank)]))  # (and all took part)
+    assert [o.item() for o in others] == list(range(WORLD))
+    wrapped.close()
+
+
+def _case_lru_no_sync_clip(rank: int, where: Path) -> None:
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device25_host", where, policy="lru",
+                                                            sharding_strategy="NO_SHARD"))
+    _train_both(rank, eager, wrapped, steps=2, micro=3, clip=0.5)
+    wrapped.close()
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads; rank r's batches take head r only (a routed model's experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.Tanh())
+        self.heads = nn.ModuleList(nn.Linear(32, 4) for _ in range(WORLD))
+        self.spare = nn.Linear(32, 4)  # used by no rank: gets no gradient anywhere
+
+    def forward(self, x: torch.Tensor, head: int) -> torch.Tensor:
+        return self.heads[head](self.trunk(x)).square().mean()
+
+
+def _case_unused_on_some_ranks(rank: int, where: Path) -> None:
+    torch.manual_seed(0)
+    eager = TwoHeads()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="1KiB", device_budget=6 * 1024,
+                          auto_wrap_policy={nn.Linear})
+    ddp = DDP(eager, find_unused_parameters=True)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=g)
+        ddp(x, rank).backward()
+        wrapped(x, rank).backward()
+        eopt.step(), hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    # The spare head had no gradient on any rank: never stepped (no Adam state), as torch's.
+    spare = {id(p) for p in wrapped.module.spare.parameters()}
+    assert not any(hopt.state[p] for p in wrapped.parameters() if id(p) in spare)
+    assert all(hopt.state[p] for p in wrapped.module.heads.parameters())
+    wrapped.close()
+
+
+def _case_sync_module_states(rank: int, where: Path) -> None:
+    torch.manual_seed(rank)  # different weights on each rank...
+    model = GPT()
+    eager = copy.deepcopy(model)
+    for t in eager.state_dict().values():  # (DDP broadcasts rank 0's)
+        dist.broadcast(t, 0)
+    wrapped = hetero.wrap(model, sync_module_states=True, **_budgets("device20_host30_nvme", where))
+    assert_same_model(eager, wrapped)  # ...rank 0's on every rank after wrap
+    _train_both(rank, eager, wrapped, steps=2)
+    wrapped.close()
+
+
+def _case_layout_mismatch(rank: int, where: Path) -> None:
+    model = GPT(n_layer=2 + rank)
+    with pytest.raises(hetero.HeteroConfigError, match="module differs between the 2 ranks"):
+        hetero.wrap(model, device="cpu", chunk_size="8KiB")
+    assert all(not p.is_meta and torch.isfinite(p).all() for p in model.parameters())  # untouched
+
+
+def _case_mixed_precision(rank: int, where: Path) -> None:
+    """bf16 compute, fp32 gradients: each rank trains its own batches and every rank ends with
+    the same weights, bit for bit (without the averaging they would drift apart)."""
+    mp_ = hetero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    wrapped = hetero.wrap(seeded_gpt(), mixed_precision=mp_, **_budgets("device25_host", where))
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for x, y in batches(3, seed=100 + rank):
+        loss_of(wrapped(x, y)).backward()
+        opt.step(), opt.zero_grad()
+    mine = torch.cat([v.flatten().float() for v in wrapped.state_dict().values()])
+    theirs = [torch.zeros_like(mine) for _ in range(WORLD)]
+    dist.all_gather(theirs, mine)
+    assert torch.equal(theirs[0], theirs[1])
+    assert not torch.equal(mine, torch.cat([v.flatten().float() for v in seeded_gpt().state_dict().values()]))
+    wrapped.close()
+
+
+def _case_grad_scaler_inf_on_one_rank(rank: int, where: Path) -> None:
+    """An inf gradient on one rank reaches every rank through the averaging: every rank skips
+    the step and backs the scale off (torch's ShardedGradScaler all-reduces found_inf instead)."""
+    wrapped = hetero.wrap(seeded_gpt(), **_budgets("device25_host", where))
+    before = {k: v.clone() for k, v in wrapped.state_dict().items()}
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    scaler = hetero.optim.GradScaler("cpu", init_scale=2.0 ** 8)
+    x, y = batches(1, seed=100 + rank)[0]
+    loss = loss_of(wrapped(x, y)) * (float("inf") if rank == 1 else 1.0)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 7  # backed off on both ranks
+    for k, v in wrapped.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    wrapped.close()
+
+
+def _case_single_rank_groups(rank: int, where: Path) -> None:
+    """process_group= a group of one rank: that rank trains alone (nothing averaged), as eager
+    training of its own batches."""
+    groups = [dist.new_group([r]) for r in range(WORLD)]  # (every rank creates every group)
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), process_group=groups[rank],
+                          **_budgets("device25_host", where))
+    assert wrapped._hetero_state.replicas is None
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for x, y in batches(2, seed=100 + rank):
+        loss_of(eager(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+        eopt.step(), hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    wrapped.close()
+
+
+CASES = {
+    "nvme_auto": _case_nvme_auto,
+    "lru_no_sync_clip": _case_lru_no_sync_clip,
+    "unused_on_some_ranks": _case_unused_on_some_ranks,
+    "sync_module_states": _case_sync_module_states,
+    "layout_mismatch": _case_layout_mismatch,
+    "mixed_precision": _case_mixed_precision,
+    "grad_scaler_inf_on_one_rank": _case_grad_scaler_inf_on_one_rank,
+    "single_rank_groups": _case_single_rank_groups,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_data_parallel_matches_ddp(case: str, tmp_path: Path) -> None:
+    _spawn(case, tmp_path)
+
+
+def test_torchrun_default_group(tmp_path: Path) -> None:
+    """As a user runs it: torchrun, the default process group (process_group=None), a meta-device
+    model materialized on each rank, the default host budget shared by the local ranks."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path[:0] = [{str(Path(__file__).parent)!r}]
+        import psutil, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import hetero
+        from helpers import assert_same_model, loss_of, tight_budgets
+        from models import GPT, batches
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        with torch.device("meta"):
+            meta = GPT()
+        torch.manual_seed(0)  # (every rank materializes the same weights)
+        avail = psutil.virtual_memory().available
+        kw = tight_budgets("device20_host30_nvme", os.path.join({str(tmp_path)!r}, f"swap{{rank}}"))
+        del kw["host_budget"]  # (the default: 80% of the available memory, shared by the 2 ranks)
+        model = hetero.wrap(meta, nvme_budget="4MiB", **kw)
+        assert model._hetero_state.cfg.host_budget <= avail * 0.8 / 2 * 1.05
+        eager = GPT()
+        eager.load_state_dict(model.state_dict())
+        ddp = DDP(eager)
+        eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        hopt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches(3, seed=100 + rank):
+            loss_of(ddp(x, y)).backward(); loss_of(model(x, y)).backward()
+            eopt.step(); hopt.step(); eopt.zero_grad(); hopt.zero_grad()
+        assert_same_model(eager, model)
+        model.close()
+        dist.destroy_process_group()
+        print("rank", rank, "ok")
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+                          str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
+    assert not list(tmp_path.glob("swap*/*/*"))  # swap files removed
