@@ -8,6 +8,10 @@
 ``hetero plan``     estimates memory per tier, traffic and step time under given budgets on this
                     machine (:mod:`hetero.plan`).
 
+Under torchrun (``torchrun --nproc_per_node=N -m hetero train``) ``train`` and ``profile`` run data
+parallel: each rank trains its own batches (the data seeded by ``--seed`` and the rank) with the
+gradients averaged over the ranks (gloo on CPUs, NCCL on GPUs), and rank 0 prints and writes.
+
 By default the device budget is a fifth of the model's training state (16 bytes per parameter:
 param, grad, exp_avg, exp_avg_sq in fp32), the host budget a quarter, and the rest goes to swap
 files in a temporary directory that is removed afterwards.
@@ -81,6 +85,8 @@ class RunResult:
     entropy: float  # the data's entropy rate: the lowest loss any model can reach
     wall_seconds: float
     report: Any  # hetero.Report
+    rank: int = 0  # under torchrun: this process's rank among ``world``
+    world: int = 1
 
     @property
     def median_step(self) -> float:
@@ -97,7 +103,7 @@ class RunResult:
             "policy_requested": self.policy, "seed": self.seed, "batch_size": self.batch_size,
             "lr": self.lr, "steps_run": len(self.losses), "median_step_seconds": self.median_step,
             "wall_seconds": self.wall_seconds, "step_times": self.step_times, "losses": self.losses,
-            "final_loss": self.final_loss(), "entropy_floor": self.entropy,
+            "final_loss": self.final_loss(), "entropy_floor": self.entropy, "ranks": self.world,
         }
 
     def json_dict(self) -> dict[str, Any]:
@@ -126,6 +132,29 @@ def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool
     # NVMe holds the rest. Its cap is twice the state: a block has at most one copy there, so it
     # never fills up, whatever mix of sole and clean copies (and swap-file fragmentation) it holds.
     return Budgets(state=state, device=dev, host=host, nvme=2 * state if nvme else None)
+
+
+@contextlib.contextmanager
+def ranks(device: torch.device) -> Iterator[tuple[int, int]]:
+    """(rank, world size): under torchrun (WORLD_SIZE > 1) the default process group, made here
+    (gloo for a CPU device, NCCL for CUDA) unless the caller made one, and destroyed after;
+    else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        yield dist.get_rank(), dist.get_world_size()
+        return
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        yield 0, 1
+        return
+    if not dist.is_available():
+        raise HeteroConfigError("WORLD_SIZE > 1 (torchrun) but this torch has no torch.distributed; "
+                                "expected one process, or a torch build with distributed support")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -163,12 +192,13 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
     torch.manual_seed(seed)
     model = models.GPT(cfg)
     params = model.num_params()
-    data = models.MarkovData(cfg.vocab_size, seed=seed)
     budgets = default_budgets(models.state_bytes(model), device_budget, host_budget, not no_nvme)
     losses: list[float] = []
     times: list[float] = []
     start = time.perf_counter()
-    with nvme_dir(nvme_path, no_nvme) as swap:
+    with ranks(dev) as (rank, world), nvme_dir(nvme_path, no_nvme) as swap:
+        # (one Markov chain for all ranks, each drawing its own batches from it)
+        data = models.MarkovData(cfg.vocab_size, seed=seed, stream=rank)
         wrapped = hetero.wrap(model, device=dev, device_budget=budgets.device,
                               host_budget=budgets.host, nvme_path=swap, nvme_budget=budgets.nvme,
                               chunk_size=chunk_size, policy=policy)
@@ -177,13 +207,13 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
                 on_wrap(wrapped)
             opt = hetero.optim.AdamW(wrapped.parameters(), lr=lr)
             losses, times = train_loop(wrapped, opt, data, cfg.block_size, steps, batch_size, dev,
-                                       progress=progress, desc=desc, on_step=on_step)
+                                       progress=progress and rank == 0, desc=desc, on_step=on_step)
             report = wrapped.placement_report()
         finally:
             wrapped.close()
     return RunResult(model_name, dataclasses.asdict(cfg), params, budgets, str(dev), str(chunk_size),
                      policy, seed, batch_size, lr, losses, times, data.entropy(),
-                     time.perf_counter() - start, report)
+                     time.perf_counter() - start, report, rank, world)
 
 
 def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, data: models.MarkovData,
@@ -282,6 +312,8 @@ def _print_summary(res: RunResult) -> None:
     print(res.report)
     print(f"model: {res.model} GPT, {res.params / 1e6:.2f}M parameters, "
           f"{res.config['n_layer']} blocks, on {res.device} ({torch.get_num_threads()} CPU threads)")
+    if res.world > 1:
+        print(f"data parallel: {res.world} ranks, each with these budgets (the report is rank 0's)")
     print(b.describe())
     print(f"state / device budget = {b.state / b.device:.1f}x")
     if res.losses:
@@ -312,6 +344,8 @@ def _check_writable(path: str | None, what: str, directory: bool = False) -> Non
 def cmd_train(args: argparse.Namespace) -> int:
     _check_writable(args.json, "--json")
     res = _run_from_args(args, "hetero train")
+    if res.rank != 0:  # (torchrun: rank 0 speaks for all)
+        return 0
     _print_summary(res)
     _write_json(args.json, res.json_dict())
     return 0
@@ -335,6 +369,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             raise HeteroConfigError(f"--out {args.out!r}: {path!r} is a directory; expected room for the "
                                     f"file {name}")
     res = _run_from_args(args, "hetero profile")
+    if res.rank != 0:
+        return 0
     os.makedirs(args.out, exist_ok=True)
     with open(paths["report.json"], "w") as f:
         json.dump(res.json_dict(), f, indent=1)

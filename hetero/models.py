@@ -156,10 +156,11 @@ class MarkovData:
     Every token has ``branching`` possible successors with random (Dirichlet) probabilities, so the
     next token is predictable from the current one and a model's loss can fall from
     ``log(vocab_size)`` to the chain's entropy rate (:meth:`entropy`). The chain is a function of
-    ``seed`` only; batches come from a separate generator seeded with ``seed + 1``.
+    ``seed`` only; batches come from a separate generator seeded with ``seed + 1``, or for
+    ``stream`` > 0 (another rank's batches from the same chain) from ``(seed + 1, stream)``.
     """
 
-    def __init__(self, vocab_size: int, seed: int = 0, branching: int = 4) -> None:
+    def __init__(self, vocab_size: int, seed: int = 0, branching: int = 4, stream: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
         self.vocab_size = vocab_size
         succ = torch.stack([torch.randperm(vocab_size, generator=g)[:branching] for _ in range(vocab_size)])
@@ -168,7 +169,7 @@ class MarkovData:
         self.transition = torch.zeros(vocab_size, vocab_size, dtype=torch.float64).scatter_(1, succ, probs)
         self._cdf = self.transition.cumsum(1)
         self._cdf[:, -1] = 1.0
-        self._gen = torch.Generator().manual_seed(seed + 1)
+        self._gen = torch.Generator().manual_seed(seed + 1 if stream == 0 else hash((seed + 1, stream)))
 
     def sample(self, batch_size: int, length: int) -> torch.Tensor:
         """A ``(batch_size, length)`` int64 tensor of token sequences."""

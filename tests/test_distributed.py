@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -269,3 +270,23 @@ def test_torchrun_default_group(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
     assert not list(tmp_path.glob("swap*/*/*"))  # swap files removed
+
+
+def test_cli_under_torchrun(tmp_path: Path) -> None:
+    """``torchrun -m hetero train`` trains data parallel: rank 0 alone prints and writes; each
+    rank draws its own batches from the one Markov chain."""
+    from hetero.models import MarkovData
+
+    a, b = MarkovData(64, seed=3), MarkovData(64, seed=3, stream=1)
+    assert torch.equal(a.transition, b.transition) and not torch.equal(a.batch(4, 16)[0], b.batch(4, 16)[0])
+    assert torch.equal(MarkovData(64, seed=3).batch(4, 16)[0], MarkovData(64, seed=3).batch(4, 16)[0])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+                          "-m", "hetero", "train", "--model", "tiny", "--steps", "4", "--no-progress",
+                          "--json", str(tmp_path / "run.json")],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("hetero placement report") == 1
+    assert f"data parallel: {WORLD} ranks" in out.stdout
+    run = json.loads((tmp_path / "run.json").read_text())["run"]
+    assert run["ranks"] == WORLD and len(run["losses"]) == 4
