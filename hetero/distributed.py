@@ -108,13 +108,17 @@ class Replicas:
             dist.broadcast(tensor, dist.get_global_rank(self.group, 0), group=self.group)
 
 
-def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"]) -> None:
-    """Average every grad block over the ranks (see the module's docstring). A parameter with a
-    gradient on any rank has one on every rank after it (the others contribute zeros), as in
-    DDP; one without a gradient anywhere keeps none (the optimizer skips it, as torch's).
-    Idempotent, so a call that failed half-way (an I/O error) can simply run again."""
+def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], due: bool) -> bool:
+    """Average every grad block over the ranks if a backward outside ``no_sync()`` ran on any rank
+    since the last averaging (``due`` is this rank's say; one small collective decides, so a rank
+    whose backward reached none of its parameters still takes part). A parameter with a gradient
+    on any rank has one on every rank after it (the others contribute zeros), as in DDP; one
+    without a gradient anywhere keeps none (the optimizer skips it, as torch's). Idempotent, so a
+    call that failed half-way (an I/O error) can simply run again. Returns whether it averaged."""
     chunks = [c for c in chunks if c.requires_grad and GRAD in c.blocks]
-    found = replicas.any([s.has_grad for c in chunks for s in c.slots])
+    due_anywhere, *found = replicas.any([due] + [s.has_grad for c in chunks for s in c.slots])
+    if not due_anywhere:
+        return False
     t0 = runtime.tracker.now()
     i = 0
     for chunk in chunks:
@@ -139,6 +143,7 @@ def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
         finally:
             runtime.release([block], tier)
     runtime.tracker.compute("distributed", "all_reduce", t0)
+    return True
 
 
 def broadcast_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], module: "nn.Module") -> None:

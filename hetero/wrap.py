@@ -259,13 +259,14 @@ class HeteroState:
     @critical
     def reduce_gradients(self) -> None:
         """Average the gradients over the ranks if a backward outside ``no_sync()`` ran since the
-        last time (:mod:`hetero.distributed`): called by every reader of gradients (the
-        optimizer's step, ``clip_grad_norm_``, the scaler's unscale) after adopt_grads."""
-        if self.replicas is None or not self.grads_due:
+        last time (:mod:`hetero.distributed`): called, on every rank alike, by every reader of
+        gradients (the optimizer's step, ``clip_grad_norm_``, the scaler's unscale) after
+        adopt_grads."""
+        if self.replicas is None:
             return
         self.runtime.check_open()
         self.drop_stale_pins()
-        average_gradients(self.replicas, self.runtime, self.chunks)
+        average_gradients(self.replicas, self.runtime, self.chunks, self.grads_due)
         self.grads_due = False
 
     def release_grad_pin(self) -> None:

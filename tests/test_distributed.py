@@ -210,6 +210,27 @@ def _case_single_rank_groups(rank: int, where: Path) -> None:
     wrapped.close()
 
 
+def _case_rank_without_backward(rank: int, where: Path) -> None:
+    """A rank whose step had no backward (it only evaluated) still takes part in the averaging
+    when it steps: it contributes no gradient, and both ranks take the step of rank 0's gradient
+    halved (DDP would wait forever for the missing rank's backward)."""
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
+    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for x, y in batches(2, seed=100):
+        if rank == 0:
+            loss_of(wrapped(x, y)).backward()
+        else:
+            with torch.no_grad():
+                wrapped(x, y)
+        (loss_of(eager(x, y)) / WORLD).backward()
+        eopt.step(), hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    wrapped.close()
+
+
 CASES = {
     "nvme_auto": _case_nvme_auto,
     "lru_no_sync_clip": _case_lru_no_sync_clip,
@@ -219,6 +240,7 @@ CASES = {
     "mixed_precision": _case_mixed_precision,
     "grad_scaler_inf_on_one_rank": _case_grad_scaler_inf_on_one_rank,
     "single_rank_groups": _case_single_rank_groups,
+    "rank_without_backward": _case_rank_without_backward,
 }
 
 
