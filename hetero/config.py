@@ -154,14 +154,16 @@ def _parse_device(device: Any) -> torch.device:
 
 
 def local_world_size() -> int:
-    """Ranks sharing this machine (torchrun's LOCAL_WORLD_SIZE), among which the default host and
-    NVMe budgets are divided; 1 without torch.distributed."""
+    """Ranks sharing this machine, among which the default host and NVMe budgets are divided:
+    torchrun's LOCAL_WORLD_SIZE, else (mp.spawn, srun) every rank of the default group, as if on
+    one machine (too cautious across machines, never oversubscribed); 1 without
+    torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return dist.get_world_size()
 
 
 def _default_device_budget(device: torch.device) -> int:

@@ -8,9 +8,14 @@ divided among ranks: each rank needs the budgets of the whole model).
 
 The averaging is lazy: a backward outside ``no_sync()`` marks the gradients due, and the first
 reader after it (``optimizer.step()``, ``clip_grad_norm_``, the scaler's unscale) averages every
-grad block once, chunk by chunk in the same order on every rank, where the block lives (the
-device for NCCL). Gradients accumulated under ``no_sync()`` are averaged with the next synced
-backward's, as DDP does. Collectives are torch.distributed's (gloo on CPUs, NCCL on GPUs).
+grad block once, chunk by chunk in the same order on every rank: with gloo where the block lives,
+with NCCL on the device (a host-resident gradient travels there and back). Which reader does it
+may differ between ranks (rank 0 alone measuring the norm before the step is fine), but as with
+DDP and FSDP every rank must run the synced backward. Gradients accumulated under ``no_sync()``
+are averaged with the next synced backward's, as DDP does. Ranks agree before each chunk's
+reduction that all of them hold it, so a rank whose swap read failed makes every rank raise,
+instead of leaving its peers in a collective that never completes. Collectives are
+torch.distributed's (gloo on CPUs, NCCL on GPUs).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .chunks import GRAD, MASTER, PARAM
-from .errors import HeteroConfigError
+from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError
 from .tiers import DEVICE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,27 +75,39 @@ class Replicas:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.comm_device)
 
-    def check_same_layout(self, chunks: list["Chunk"], cfg: "Config") -> None:
+    def check_same_layout(self, chunks: list["Chunk"], module: "nn.Module", cfg: "Config") -> None:
         """Raise HeteroConfigError on every rank unless all ranks packed the same chunks (same
-        parameters, shapes, dtypes and chunk size): gradients are averaged chunk by chunk, so a
-        rank with another model would mix unrelated bytes, or wait forever in a collective."""
-        layout = repr([(c.numel, str(c.dtype), [(s.names[0], tuple(s.param.shape)) for s in c.slots])
-                       for c in chunks] + [cfg.chunk_size])
+        parameters, shapes, dtypes of every block, frozen or not, chunk size) and hold the same
+        buffers: gradients are averaged chunk by chunk and states broadcast tensor by tensor, so
+        a rank with another model would mix unrelated bytes, or wait forever in a collective."""
+        layout = repr([(c.numel, c.requires_grad, sorted((k, str(b.dtype)) for k, b in c.blocks.items()),
+                        [(s.names[0], tuple(s.param.shape)) for s in c.slots]) for c in chunks]
+                      + [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+                      + [cfg.chunk_size])
         mine = zlib.crc32(layout.encode())
-        lo, hi = self._tensor([mine]), self._tensor([mine])
-        dist.all_reduce(lo, dist.ReduceOp.MIN, group=self.group)
-        dist.all_reduce(hi, dist.ReduceOp.MAX, group=self.group)
-        if lo.item() != hi.item():
+        t = self._tensor([mine, -mine])
+        dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
+        if t[0].item() != -t[1].item():
             raise HeteroConfigError(
                 f"module differs between the {self.world} ranks of process_group (rank {self.rank} "
                 f"packed {len(chunks)} chunks of {sum(c.numel for c in chunks)} elements, and another "
-                "rank something else): every rank must wrap the same model with the same chunk_size "
-                "and mixed_precision; expected identical hetero.wrap calls on every rank")
+                "rank something else): every rank must wrap the same model (the same parameters "
+                "frozen, the same buffers) with the same chunk_size and mixed_precision; expected "
+                "identical hetero.wrap calls on every rank")
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank is ok (one small collective every rank must reach)."""
+        return not self.any([not ok])[0]
 
     def average(self, flat: torch.Tensor) -> None:
-        """Replace ``flat`` with its mean over the ranks, in place."""
-        dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
-        flat.div_(self.world)
+        """Replace ``flat`` with its mean over the ranks, in place. Floating-point values are
+        divided before the sum, as DDP's default hook does (no fp16 overflow of the sum)."""
+        if flat.is_floating_point():
+            flat.div_(self.world)
+            dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
+        else:
+            dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
+            flat.div_(self.world, rounding_mode="floor")
 
     def any(self, flags: list[bool]) -> list[bool]:
         """Each flag OR-ed over the ranks."""
@@ -108,26 +125,37 @@ class Replicas:
             dist.broadcast(tensor, dist.get_global_rank(self.group, 0), group=self.group)
 
 
-def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], due: bool) -> bool:
-    """Average every grad block over the ranks if a backward outside ``no_sync()`` ran on any rank
-    since the last averaging (``due`` is this rank's say; one small collective decides, so a rank
-    whose backward reached none of its parameters still takes part). A parameter with a gradient
-    on any rank has one on every rank after it (the others contribute zeros), as in DDP; one
-    without a gradient anywhere keeps none (the optimizer skips it, as torch's). Idempotent, so a
-    call that failed half-way (an I/O error) can simply run again. Returns whether it averaged."""
-    chunks = [c for c in chunks if c.requires_grad and GRAD in c.blocks]
-    due_anywhere, *found = replicas.any([due] + [s.has_grad for c in chunks for s in c.slots])
-    if not due_anywhere:
-        return False
+def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], done: set[int]) -> None:
+    """Average every grad block not in ``done`` (chunk indices, added to as they are averaged)
+    over the ranks. A parameter with a gradient on any rank has one on every rank after it (the
+    others contribute zeros), as in DDP; one without a gradient anywhere keeps none (the
+    optimizer skips it, as torch's). Before each chunk the ranks agree that all of them acquired
+    it: if one could not (HeteroIOError, HeteroOOMError), every rank raises, and a retry on
+    every rank resumes at that chunk."""
+    chunks = [c for c in chunks if c.requires_grad and GRAD in c.blocks and c.index not in done]
+    found = replicas.any([s.has_grad for c in chunks for s in c.slots])
     t0 = runtime.tracker.now()
     i = 0
     for chunk in chunks:
         flags, i = found[i:i + len(chunk.slots)], i + len(chunk.slots)
         if not any(flags):
+            done.add(chunk.index)
             continue
         block = chunk.blocks[GRAD]
         tier = DEVICE if replicas.on_device or not block.tiers else runtime.working_tier(block)
-        runtime.acquire([block], tier, write=True)  # (created zero-filled where this rank has none)
+        failure: Optional[BaseException] = None
+        try:
+            runtime.acquire([block], tier, write=True)  # (created zero-filled where this rank has none)
+        except (HeteroIOError, HeteroOOMError) as exc:
+            failure = exc
+        if not replicas.agree(failure is None):
+            if failure is not None:
+                raise failure
+            runtime.release([block], tier)
+            raise HeteroIOError(
+                f"another rank of the process group could not read its gradients of chunk {chunk.index} "
+                "for averaging (its error says why); nothing was averaged from this chunk on; the "
+                "next optimizer step, clip or unscale on every rank resumes here")
         try:
             with torch.no_grad():
                 flat = runtime.data(block, tier)
@@ -140,10 +168,10 @@ def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
                 replicas.average(flat)
                 for s, f in zip(chunk.slots, flags):
                     s.has_grad = s.has_grad or f
+            done.add(chunk.index)
         finally:
             runtime.release([block], tier)
     runtime.tracker.compute("distributed", "all_reduce", t0)
-    return True
 
 
 def broadcast_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], module: "nn.Module") -> None:

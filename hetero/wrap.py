@@ -71,6 +71,7 @@ class HeteroState:
         self.sync_grads = True  # (False inside no_sync())
         self.replicas = replicas  # the other ranks holding the same state (None: one process)
         self.grads_due = False  # a backward outside no_sync() left gradients to average
+        self._averaged: set[int] = set()  # chunks an averaging that failed half-way had done
         self.policy_start = policy_start  # what a replay starts from (policies.starting_copy)
         # The grad block the backward is accumulating into, kept acquired on the device across
         # consecutive gradients of its chunk (see accumulate_grad).
@@ -134,7 +135,7 @@ class HeteroState:
     def pre_backward(self, call: Call) -> None:
         if call.pinned:
             return
-        self.grads_due |= self.sync_grads
+        self._backward_grads()
         # A gradient assigned to .grad since the last backward replaces the parameter's, before
         # this backward adds to it (torch's AccumulateGrad adds to what .grad holds).
         self.adopt_grads(s.param for b in call.unit.param_blocks for s in b.chunk.slots
@@ -182,13 +183,20 @@ class HeteroState:
         the minimum device budget allows for)."""
         chunk, slot = self.slot_of[id(param)]
         grad, param.grad = param.grad, None
-        self.grads_due |= self.sync_grads
+        self._backward_grads()
         if grad is not None:  # (None: every path to it passed no gradient; it gets none, as in eager)
             self._accumulate(chunk, slot, grad)
         for call in [c for c in self._waiting if id(param) in c.waiting]:
             call.waiting.discard(id(param))
             if not call.waiting:  # the unit's backward is done (see pre_backward)
                 self._end_backward(call)
+
+    def _backward_grads(self) -> None:
+        """A backward is adding gradients: due for averaging unless under no_sync(); a chunk an
+        earlier, failed averaging had done is averaged again (linear: still exact)."""
+        self.grads_due |= self.sync_grads
+        if self._averaged:
+            self._averaged.clear()
 
     def _accumulate(self, chunk: Chunk, slot: ParamSlot, grad: torch.Tensor) -> None:
         block = chunk.blocks[GRAD]
@@ -259,15 +267,15 @@ class HeteroState:
     @critical
     def reduce_gradients(self) -> None:
         """Average the gradients over the ranks if a backward outside ``no_sync()`` ran since the
-        last time (:mod:`hetero.distributed`): called, on every rank alike, by every reader of
-        gradients (the optimizer's step, ``clip_grad_norm_``, the scaler's unscale) after
-        adopt_grads."""
-        if self.replicas is None:
+        last time (:mod:`hetero.distributed`): called by every reader of gradients (the
+        optimizer's step, ``clip_grad_norm_``, the scaler's unscale) after adopt_grads."""
+        if self.replicas is None or not self.grads_due:
             return
         self.runtime.check_open()
         self.drop_stale_pins()
-        average_gradients(self.replicas, self.runtime, self.chunks, self.grads_due)
+        average_gradients(self.replicas, self.runtime, self.chunks, self._averaged)
         self.grads_due = False
+        self._averaged.clear()
 
     def release_grad_pin(self) -> None:
         """Let the grad block being accumulated into go (it may be evicted again)."""
@@ -286,6 +294,7 @@ class HeteroState:
         self.drop_stale_pins()
         if params is None:
             self.grads_due = False  # (nothing left to average)
+            self._averaged.clear()
         assigned = [s.param for c in self.chunks for s in c.slots
                     if s.param.grad is not None and (params is None or id(s.param) in params)]
         if set_to_none:
@@ -910,20 +919,27 @@ def wrap(
                   trainable=_done_by(found, leaf=i not in parents), holders=holders)
              for i, ((name, m), found, holders) in enumerate(zip(chosen, per_unit, unit_holders(chosen)))]
     if replicas is not None:
-        replicas.check_same_layout(chunks, cfg)
-        if cfg.sharding_strategy is not ShardingStrategy.NO_SHARD:
+        replicas.check_same_layout(chunks, module, cfg)
+        if cfg.sharding_strategy is not ShardingStrategy.NO_SHARD and replicas.rank == 0:
             log.warning("hetero.wrap: sharding_strategy=%s runs as NO_SHARD: each of the %d ranks holds "
                         "the whole state under its own budgets, gradients are averaged",
                         cfg.sharding_strategy.value, replicas.world)
-    _check_budgets(cfg, units, parents, chunks)
-    if cfg.param_init_fn is None:
-        for name, m in module.named_modules():
-            meta = [k for k, t in (dict(m._parameters) | dict(m._buffers)).items() if t is not None and t.is_meta]
-            if meta and not hasattr(m, "reset_parameters"):
-                raise HeteroConfigError(
-                    f"module {name or type(m).__name__!r} has meta-device tensors ({', '.join(meta)}) and no "
-                    "reset_parameters() to initialize them (as FSDP, hetero materializes a meta "
-                    "module empty and calls it); pass param_init_fn=callable(module) to initialize them")
+    try:
+        _check_budgets(cfg, units, parents, chunks)
+        if cfg.param_init_fn is None:
+            for name, m in module.named_modules():
+                meta = [k for k, t in (dict(m._parameters) | dict(m._buffers)).items() if t is not None and t.is_meta]
+                if meta and not hasattr(m, "reset_parameters"):
+                    raise HeteroConfigError(
+                        f"module {name or type(m).__name__!r} has meta-device tensors ({', '.join(meta)}) and no "
+                        "reset_parameters() to initialize them (as FSDP, hetero materializes a meta "
+                        "module empty and calls it); pass param_init_fn=callable(module) to initialize them")
+    except BaseException:
+        if replicas is not None:  # (its peers must not wait for it in a collective)
+            replicas.agree(False)
+        raise
+    if replicas is not None and not replicas.agree(True):
+        raise _peer_failed()
 
     # Nothing has moved so far; from here on the runtime places the state.
     policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run
@@ -935,13 +951,21 @@ def wrap(
     on_meta = [s.param for c in chunks for s in c.slots if s.param.is_meta]
     buffer_dtypes = {name: b.dtype for name, b in module.named_buffers()}  # (before buffer_dtype)
     buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    agreed = replicas is None
     try:
         _materialize(module, chunks, runtime, cfg.param_init_fn, cfg.device,
                      mp.buffer_dtype if mp else None)
-        if replicas is not None and sync_module_states:
-            broadcast_states(replicas, runtime, chunks, module)
         runtime.drain()  # (a failed write of the state placed here fails wrap, not a later call)
+        if replicas is not None:
+            agreed = True
+            if not replicas.agree(True):
+                raise _peer_failed()
+            if sync_module_states:
+                broadcast_states(replicas, runtime, chunks, module)
+                runtime.drain()
     except BaseException:
+        if not agreed:
+            replicas.agree(False)
         runtime.close()
         for c in chunks:  # give the caller's model back as it was
             for s in c.slots:
@@ -971,6 +995,12 @@ def wrap(
              len(units), len(chunks), format_size(sum(c.blocks[PARAM].nbytes for c in chunks)),
              format_size(cfg.device_budget), format_size(cfg.host_budget), format_size(cfg.nvme_budget))
     return HeteroModule(module, state)
+
+
+def _peer_failed() -> HeteroConfigError:
+    return HeteroConfigError(
+        "hetero.wrap failed on another rank of process_group (its error says why); this rank's "
+        "module is given back as it was; expected the same wrap to succeed on every rank")
 
 
 def _module_state_dict_hook(ref: "weakref.ref[HeteroState]") -> Callable[..., None]:

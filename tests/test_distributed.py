@@ -210,25 +210,83 @@ def _case_single_rank_groups(rank: int, where: Path) -> None:
     wrapped.close()
 
 
-def _case_rank_without_backward(rank: int, where: Path) -> None:
-    """A rank whose step had no backward (it only evaluated) still takes part in the averaging
-    when it steps: it contributes no gradient, and both ranks take the step of rank 0's gradient
-    halved (DDP would wait forever for the missing rank's backward)."""
+def _case_norm_on_rank0_only(rank: int, where: Path) -> None:
+    """Rank 0 alone measures the gradient norm before the step (clip_grad_norm_(inf), a common
+    logging idiom under DDP): it averages there, rank 1 in its step; both take DDP's step."""
     eager = seeded_gpt()
     wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
-    eopt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    ddp = DDP(eager)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
-    for x, y in batches(2, seed=100):
+    for x, y in batches(3, seed=100 + rank):
+        loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
         if rank == 0:
-            loss_of(wrapped(x, y)).backward()
-        else:
-            with torch.no_grad():
-                wrapped(x, y)
-        (loss_of(eager(x, y)) / WORLD).backward()
+            torch.testing.assert_close(wrapped.clip_grad_norm_(float("inf")).cpu(),
+                                       torch.nn.utils.clip_grad_norm_(ddp.parameters(), float("inf")))
         eopt.step(), hopt.step()
         eopt.zero_grad(), hopt.zero_grad()
     assert_same_model(eager, wrapped)
     wrapped.close()
+
+
+def _case_failed_averaging_on_one_rank(rank: int, where: Path) -> None:
+    """Rank 1 cannot read a gradient block during the averaging (a swap read error): both ranks
+    raise HeteroIOError from step() (rank 0 does not wait forever), and retrying the step on both
+    resumes the averaging: the result is DDP's."""
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
+    ddp = DDP(eager)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    rt = wrapped._hetero_state.runtime
+    acquire, armed = rt.acquire, [0]
+
+    def failing(blocks, *args, **kwargs):
+        if armed[0] and blocks[0].kind == "grad":
+            armed[0] -= 1
+            if not armed[0]:
+                raise hetero.HeteroIOError("injected: swap read failed")
+        return acquire(blocks, *args, **kwargs)
+
+    rt.acquire = failing
+    for step, (x, y) in enumerate(batches(3, seed=100 + rank)):
+        loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+        if step == 1:
+            armed[0] = 3 if rank == 1 else 0  # (the third grad block: after some were averaged)
+            with pytest.raises(hetero.HeteroIOError, match="injected" if rank == 1 else "another rank"):
+                hopt.step()
+        eopt.step(), hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    wrapped.close()
+
+
+def _case_frozen_on_one_rank(rank: int, where: Path) -> None:
+    model = seeded_gpt()
+    if rank == 1:
+        model.h[0].requires_grad_(False)
+    with pytest.raises(hetero.HeteroConfigError, match="module differs between the 2 ranks"):
+        hetero.wrap(model, device="cpu", chunk_size="8KiB")
+
+
+def _case_budget_fails_on_one_rank(rank: int, where: Path) -> None:
+    """wrap refusing on one rank (its budget too small) raises on every rank, at once."""
+    kw = _budgets("device25_host", where)
+    if rank == 1:
+        kw["device_budget"] = 1024
+    with pytest.raises(hetero.HeteroConfigError, match="device_budget" if rank == 1 else "another rank"):
+        hetero.wrap(seeded_gpt(), **kw)
+
+
+def _case_fp16_average(rank: int, where: Path) -> None:
+    """fp16 values are divided before the sum, as DDP's hook does: 40000 on both ranks averages
+    to 40000, not to inf (the sum, 80000, is beyond fp16)."""
+    from hetero.distributed import Replicas
+
+    rep = Replicas(dist.group.WORLD, torch.device("cpu"))
+    t = torch.full((4,), 40000.0, dtype=torch.float16)
+    rep.average(t)
+    assert torch.equal(t, torch.full((4,), 40000.0, dtype=torch.float16))
 
 
 CASES = {
@@ -240,7 +298,11 @@ CASES = {
     "mixed_precision": _case_mixed_precision,
     "grad_scaler_inf_on_one_rank": _case_grad_scaler_inf_on_one_rank,
     "single_rank_groups": _case_single_rank_groups,
-    "rank_without_backward": _case_rank_without_backward,
+    "norm_on_rank0_only": _case_norm_on_rank0_only,
+    "failed_averaging_on_one_rank": _case_failed_averaging_on_one_rank,
+    "frozen_on_one_rank": _case_frozen_on_one_rank,
+    "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,
+    "fp16_average": _case_fp16_average,
 }
 
 
