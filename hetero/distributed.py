@@ -41,53 +41,87 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 
-def resolve_group(process_group: Any) -> Optional[Any]:
-    """The process group ``wrap`` reduces over, or None for one process (``process_group=None``
-    without torch.distributed initialized, or a group of one rank). Raises HeteroConfigError for
-    anything that is not a ProcessGroup."""
-    if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+def resolve_group(process_group: Any, sharding_strategy: Any = None) -> Optional[Any]:
+    """The process group ``wrap`` averages over, or None for one process (``process_group=None``
+    without torch.distributed initialized, or a group of one rank). FSDP's HYBRID_SHARD pair
+    ``(intra_node_group, inter_node_group)`` is accepted when the two span the world (the usual
+    layout): the state is replicated on every rank either way. Raises HeteroConfigError for
+    anything else that is not a ProcessGroup."""
+    usable = dist.is_available() and dist.is_initialized()
+    if isinstance(process_group, tuple) and usable and len(process_group) == 2 and all(
+            isinstance(g, dist.ProcessGroup) for g in process_group):
+        sizes = [dist.get_world_size(g) for g in process_group]
+        if sizes[0] * sizes[1] != dist.get_world_size():
+            raise HeteroConfigError(
+                f"process_group=(intra, inter) of {sizes[0]} x {sizes[1]} ranks does not span the "
+                f"{dist.get_world_size()} ranks of the world; expected HYBRID_SHARD's pair of groups "
+                "over the whole world, or one ProcessGroup")
+        process_group = dist.group.WORLD
+    elif process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
         raise HeteroConfigError(f"process_group={process_group!r} is not accepted; expected a "
-                                "torch.distributed ProcessGroup or None")
+                                "torch.distributed ProcessGroup, HYBRID_SHARD's (intra_node, inter_node) "
+                                "pair of them, or None")
     if process_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not usable:
             return None
         process_group = dist.group.WORLD
     return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+def peer_failed() -> HeteroConfigError:
+    """What a rank raises from ``wrap`` when another rank's failed."""
+    return HeteroConfigError(
+        "hetero.wrap failed on another rank of process_group (its error says why); this rank's "
+        "module is given back as it was; expected the same wrap to succeed on every rank")
 
 
 class Replicas:
     """The ranks of ``group``, each holding the whole state: averages gradients, broadcasts
     states, and checks that every rank wrapped the same model."""
 
-    def __init__(self, group: Any, device: torch.device) -> None:
+    def __init__(self, group: Any) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group)).lower()
         # NCCL reduces device tensors only; gloo reduces CPU (and CUDA) tensors where they are.
-        self.on_device = "nccl" in self.backend
-        if self.on_device and device.type != "cuda":
+        self.on_device = self.backend == "nccl"
+        self.comm_device = (torch.device("cuda", torch.cuda.current_device()) if self.on_device
+                            else torch.device("cpu"))
+
+    def check_device(self, device: torch.device) -> None:
+        if self.on_device and device != self.comm_device:
             raise HeteroConfigError(
-                f"process_group uses the {self.backend} backend, which reduces CUDA tensors only, but "
-                f"device={str(device)!r}; expected a gloo process group for a CPU device")
-        self.comm_device = device if self.on_device else torch.device("cpu")
+                f"process_group uses the nccl backend, which reduces on this rank's current CUDA device "
+                f"({self.comm_device}), but device={str(device)!r}; expected device={str(self.comm_device)!r} "
+                "(torch.cuda.set_device(LOCAL_RANK) before hetero.wrap) or a gloo process group for a CPU device")
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.comm_device)
 
-    def check_same_layout(self, chunks: list["Chunk"], module: "nn.Module", cfg: "Config") -> None:
-        """Raise HeteroConfigError on every rank unless all ranks packed the same chunks (same
-        parameters, shapes, dtypes of every block, frozen or not, chunk size) and hold the same
-        buffers: gradients are averaged chunk by chunk and states broadcast tensor by tensor, so
-        a rank with another model would mix unrelated bytes, or wait forever in a collective."""
-        layout = repr([(c.numel, c.requires_grad, sorted((k, str(b.dtype)) for k, b in c.blocks.items()),
-                        [(s.names[0], tuple(s.param.shape)) for s in c.slots]) for c in chunks]
-                      + [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-                      + [cfg.chunk_size])
-        mine = zlib.crc32(layout.encode())
-        t = self._tensor([mine, -mine])
+    def agree_layout(self, mine: Optional[tuple[list["Chunk"], "nn.Module", "Config"]]) -> None:
+        """The first collective of ``wrap``, after every check and plan and before any byte moves:
+        ``mine`` is this rank's (chunks, module, config), or None where its wrap failed. Raises
+        HeteroConfigError on every rank if any rank's wrap failed, or unless all ranks packed the
+        same chunks (parameters, shapes, dtypes of every block, frozen or not, chunk size) and
+        hold the same buffers: gradients are averaged chunk by chunk and states broadcast tensor
+        by tensor, so a rank with another model would mix unrelated bytes, or wait forever in a
+        collective."""
+        code = 0
+        if mine is not None:
+            chunks, module, cfg = mine
+            layout = repr([(c.numel, c.requires_grad, sorted((k, str(b.dtype)) for k, b in c.blocks.items()),
+                            [(s.names[0], tuple(s.param.shape)) for s in c.slots]) for c in chunks]
+                          + [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+                          + [cfg.chunk_size])
+            code = zlib.crc32(layout.encode())
+        t = self._tensor([int(mine is None), code, -code])
         dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
-        if t[0].item() != -t[1].item():
+        if mine is None:
+            return  # (this rank raises its own error)
+        if t[0].item():
+            raise peer_failed()
+        if t[1].item() != -t[2].item():
             raise HeteroConfigError(
                 f"module differs between the {self.world} ranks of process_group (rank {self.rank} "
                 f"packed {len(chunks)} chunks of {sum(c.numel for c in chunks)} elements, and another "
@@ -102,7 +136,7 @@ class Replicas:
     def average(self, flat: torch.Tensor) -> None:
         """Replace ``flat`` with its mean over the ranks, in place. Floating-point values are
         divided before the sum, as DDP's default hook does (no fp16 overflow of the sum)."""
-        if flat.is_floating_point():
+        if flat.is_floating_point() or flat.is_complex():
             flat.div_(self.world)
             dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
         else:

@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, ShardingStrategy, exact_size, format_size, raise_budget_advice
-from .distributed import Replicas, average_gradients, broadcast_states, resolve_group
+from .distributed import Replicas, average_gradients, broadcast_states, peer_failed, resolve_group
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .interrupts import critical, install as install_interrupts
 from .policies import claim, make_policy, starting_copy
@@ -866,80 +866,26 @@ def wrap(
     and budgets below the minimum, HeteroOOMError when the tiers together cannot hold the
     parameters and gradients.
     """
-    if not isinstance(module, nn.Module):
-        raise HeteroConfigError(f"module={type(module).__name__} is not accepted; expected a torch.nn.Module")
-    if isinstance(module, HeteroModule):
-        raise HeteroConfigError("module is already a HeteroModule; expected an unwrapped torch.nn.Module")
-    cfg = config_mod.resolve(
-        device=device, device_budget=device_budget, host_budget=host_budget, nvme_path=nvme_path,
-        nvme_budget=nvme_budget, policy=policy, chunk_size=chunk_size, prefetch=prefetch,
-        auto_wrap_policy=auto_wrap_policy, sharding_strategy=sharding_strategy,
-        mixed_precision=mixed_precision, process_group=process_group, param_init_fn=param_init_fn,
-        log_steps=log_steps)
-    bad = [n for n, p in module.named_parameters() if p.device.type not in ("cpu", "meta")]
-    if bad:
-        raise HeteroConfigError(f"module has parameters on {module.get_parameter(bad[0]).device} "
-                                f"({bad[0]!r}); expected a module on the CPU or the meta device")
-    if not isinstance(sync_module_states, bool):
-        raise HeteroConfigError(f"sync_module_states={sync_module_states!r} is not accepted; expected True or False")
-    group = resolve_group(cfg.process_group)
-    replicas = Replicas(group, cfg.device) if group is not None else None
-    _check_params(module)
-    _check_ignored_classes(module, mixed_precision, cfg.mixed_precision)
-    if any(state_of(p) is not None for p in module.parameters()):
-        raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
-
-    wrap_policy = cfg.auto_wrap_policy or default_auto_wrap_policy(module)
-    if hasattr(wrap_policy, "_run_policy"):
-        wrap_policy = fsdp_policy(module, wrap_policy)
-    chosen = select_units(module, wrap_policy)
-    per_unit = unit_params(chosen)
-    names: dict[int, list[str]] = {}
-    owner: dict[int, nn.Parameter] = {}
-    for found in per_unit:
-        for p, name in found:
-            names.setdefault(id(p), []).append(name)
-            owner[id(p)] = p
-    packed: set[int] = set()
-    groups = []
-    for found in per_unit:
-        group = []
-        for p, _ in found:
-            if id(p) not in packed:
-                packed.add(id(p))
-                group.append((p, names[id(p)]))
-        groups.append(group)
-    mp = cfg.mixed_precision
-    chunks = pack(groups, cfg.chunk_size, cfg.device,
-                  compute_dtype=mp.param_dtype if mp else None,
-                  grad_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None)
-    param_block = {id(s.param): c.blocks[PARAM] for c in chunks for s in c.slots}
-    parents = _parents(chosen)
-    units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]),
-                  trainable=_done_by(found, leaf=i not in parents), holders=holders)
-             for i, ((name, m), found, holders) in enumerate(zip(chosen, per_unit, unit_holders(chosen)))]
+    group = resolve_group(process_group, sharding_strategy)  # (a bad one fails every rank alike)
+    replicas = Replicas(group) if group is not None else None
+    try:
+        cfg, chunks, units = _prepare(
+            module, replicas, sync_module_states, device=device, device_budget=device_budget,
+            host_budget=host_budget, nvme_path=nvme_path, nvme_budget=nvme_budget, policy=policy,
+            chunk_size=chunk_size, prefetch=prefetch, auto_wrap_policy=auto_wrap_policy,
+            sharding_strategy=sharding_strategy, mixed_precision=mixed_precision,
+            process_group=process_group, param_init_fn=param_init_fn, log_steps=log_steps)
+    except BaseException:
+        if replicas is not None:  # (its peers must not wait for it in a collective)
+            replicas.agree_layout(None)
+        raise
     if replicas is not None:
-        replicas.check_same_layout(chunks, module, cfg)
+        replicas.agree_layout((chunks, module, cfg))
         if cfg.sharding_strategy is not ShardingStrategy.NO_SHARD and replicas.rank == 0:
             log.warning("hetero.wrap: sharding_strategy=%s runs as NO_SHARD: each of the %d ranks holds "
                         "the whole state under its own budgets, gradients are averaged",
                         cfg.sharding_strategy.value, replicas.world)
-    try:
-        _check_budgets(cfg, units, parents, chunks)
-        if cfg.param_init_fn is None:
-            for name, m in module.named_modules():
-                meta = [k for k, t in (dict(m._parameters) | dict(m._buffers)).items() if t is not None and t.is_meta]
-                if meta and not hasattr(m, "reset_parameters"):
-                    raise HeteroConfigError(
-                        f"module {name or type(m).__name__!r} has meta-device tensors ({', '.join(meta)}) and no "
-                        "reset_parameters() to initialize them (as FSDP, hetero materializes a meta "
-                        "module empty and calls it); pass param_init_fn=callable(module) to initialize them")
-    except BaseException:
-        if replicas is not None:  # (its peers must not wait for it in a collective)
-            replicas.agree(False)
-        raise
-    if replicas is not None and not replicas.agree(True):
-        raise _peer_failed()
+    mp = cfg.mixed_precision
 
     # Nothing has moved so far; from here on the runtime places the state.
     policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run
@@ -959,7 +905,7 @@ def wrap(
         if replicas is not None:
             agreed = True
             if not replicas.agree(True):
-                raise _peer_failed()
+                raise peer_failed()
             if sync_module_states:
                 broadcast_states(replicas, runtime, chunks, module)
                 runtime.drain()
@@ -997,10 +943,67 @@ def wrap(
     return HeteroModule(module, state)
 
 
-def _peer_failed() -> HeteroConfigError:
-    return HeteroConfigError(
-        "hetero.wrap failed on another rank of process_group (its error says why); this rank's "
-        "module is given back as it was; expected the same wrap to succeed on every rank")
+def _prepare(module: nn.Module, replicas: Optional[Replicas], sync_module_states: Any,
+             **kwargs: Any) -> tuple[Config, list[Chunk], list[Unit]]:
+    """Everything ``wrap`` checks and plans before any byte moves: the config, the chunks and the
+    units. Raises HeteroConfigError (HeteroOOMError) naming what to change."""
+    if not isinstance(module, nn.Module):
+        raise HeteroConfigError(f"module={type(module).__name__} is not accepted; expected a torch.nn.Module")
+    if isinstance(module, HeteroModule):
+        raise HeteroConfigError("module is already a HeteroModule; expected an unwrapped torch.nn.Module")
+    cfg = config_mod.resolve(**kwargs)
+    bad = [n for n, p in module.named_parameters() if p.device.type not in ("cpu", "meta")]
+    if bad:
+        raise HeteroConfigError(f"module has parameters on {module.get_parameter(bad[0]).device} "
+                                f"({bad[0]!r}); expected a module on the CPU or the meta device")
+    if not isinstance(sync_module_states, bool):
+        raise HeteroConfigError(f"sync_module_states={sync_module_states!r} is not accepted; expected True or False")
+    if replicas is not None:
+        replicas.check_device(cfg.device)
+    _check_params(module)
+    _check_ignored_classes(module, kwargs["mixed_precision"], cfg.mixed_precision)
+    if any(state_of(p) is not None for p in module.parameters()):
+        raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
+
+    wrap_policy = cfg.auto_wrap_policy or default_auto_wrap_policy(module)
+    if hasattr(wrap_policy, "_run_policy"):
+        wrap_policy = fsdp_policy(module, wrap_policy)
+    chosen = select_units(module, wrap_policy)
+    per_unit = unit_params(chosen)
+    names: dict[int, list[str]] = {}
+    owner: dict[int, nn.Parameter] = {}
+    for found in per_unit:
+        for p, name in found:
+            names.setdefault(id(p), []).append(name)
+            owner[id(p)] = p
+    packed: set[int] = set()
+    groups = []
+    for found in per_unit:
+        group = []
+        for p, _ in found:
+            if id(p) not in packed:
+                packed.add(id(p))
+                group.append((p, names[id(p)]))
+        groups.append(group)
+    mp = cfg.mixed_precision
+    chunks = pack(groups, cfg.chunk_size, cfg.device,
+                  compute_dtype=mp.param_dtype if mp else None,
+                  grad_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None)
+    param_block = {id(s.param): c.blocks[PARAM] for c in chunks for s in c.slots}
+    parents = _parents(chosen)
+    units = [Unit(i, name, m, unit_blocks([param_block[id(p)] for p, _ in found]),
+                  trainable=_done_by(found, leaf=i not in parents), holders=holders)
+             for i, ((name, m), found, holders) in enumerate(zip(chosen, per_unit, unit_holders(chosen)))]
+    _check_budgets(cfg, units, parents, chunks)
+    if cfg.param_init_fn is None:
+        for name, m in module.named_modules():
+            meta = [k for k, t in (dict(m._parameters) | dict(m._buffers)).items() if t is not None and t.is_meta]
+            if meta and not hasattr(m, "reset_parameters"):
+                raise HeteroConfigError(
+                    f"module {name or type(m).__name__!r} has meta-device tensors ({', '.join(meta)}) and no "
+                    "reset_parameters() to initialize them (as FSDP, hetero materializes a meta "
+                    "module empty and calls it); pass param_init_fn=callable(module) to initialize them")
+    return cfg, chunks, units
 
 
 def _module_state_dict_hook(ref: "weakref.ref[HeteroState]") -> Callable[..., None]:

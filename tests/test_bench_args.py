@@ -48,6 +48,9 @@ CASES = [
     ("bench_nvme_step.py", ["--reps", "0"], "argument --reps: '0' is not"),
     ("bench_nvme_step.py", ["--params", "1000"], "argument --params: '1000' is not"),
     ("bench_nvme.py", ["--dir", MISSING, "--only", "hetero"], f"argument --dir: '{MISSING}' is not"),
+    ("bench_dp.py", ["--ranks", "1"], "argument --ranks: '1' is not a number of ranks >= 2"),
+    ("bench_dp.py", ["--steps", "2"], "argument --steps: '2' is not"),
+    ("bench_dp.py", ["--json", f"{MISSING}/x.json"], "argument --json:"),
 ]
 
 

@@ -278,12 +278,57 @@ def _case_budget_fails_on_one_rank(rank: int, where: Path) -> None:
         hetero.wrap(seeded_gpt(), **kw)
 
 
+def _case_bad_argument_on_one_rank(rank: int, where: Path) -> None:
+    """An argument refused on one rank only (its nvme_path is a file) fails wrap on every rank."""
+    kw = _budgets("device20_host30_nvme", where)
+    if rank == 1:
+        bad = where / "not-a-dir"
+        bad.write_text("x")
+        kw["nvme_path"] = str(bad)
+    with pytest.raises(hetero.HeteroConfigError, match="nvme_path" if rank == 1 else "another rank"):
+        hetero.wrap(seeded_gpt(), **kw)
+    # ...and the ranks are still in step: a later wrap on both works.
+    wrapped = hetero.wrap(seeded_gpt(), **_budgets("device25_host", where / "again"))
+    wrapped.close()
+
+
+class ComplexNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.complex64) / 4)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out((x.to(torch.complex64) @ self.w).abs()).square().mean()
+
+
+def _case_complex_and_hybrid_pair(rank: int, where: Path) -> None:
+    """Complex parameters average as DDP's; FSDP's HYBRID_SHARD pair of groups is accepted."""
+    intra = dist.new_group([0, 1])
+    inter = [dist.new_group([r]) for r in range(WORLD)][rank]
+    torch.manual_seed(0)
+    eager = ComplexNet()
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", sharding_strategy="HYBRID_SHARD",
+                          process_group=(intra, inter))
+    ddp = DDP(eager)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        ddp(x).backward(), wrapped(x).backward()
+        eopt.step(), hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    wrapped.close()
+
+
 def _case_fp16_average(rank: int, where: Path) -> None:
     """fp16 values are divided before the sum, as DDP's hook does: 40000 on both ranks averages
     to 40000, not to inf (the sum, 80000, is beyond fp16)."""
     from hetero.distributed import Replicas
 
-    rep = Replicas(dist.group.WORLD, torch.device("cpu"))
+    rep = Replicas(dist.group.WORLD)
     t = torch.full((4,), 40000.0, dtype=torch.float16)
     rep.average(t)
     assert torch.equal(t, torch.full((4,), 40000.0, dtype=torch.float16))
@@ -303,6 +348,8 @@ CASES = {
     "frozen_on_one_rank": _case_frozen_on_one_rank,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,
     "fp16_average": _case_fp16_average,
+    "bad_argument_on_one_rank": _case_bad_argument_on_one_rank,
+    "complex_and_hybrid_pair": _case_complex_and_hybrid_pair,
 }
 
 
