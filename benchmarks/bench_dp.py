@@ -7,13 +7,16 @@
 Every rank trains its own batches; the configurations take turns of ``--turn`` steps so that all
 see the same machine load:
   ddp        torch's DistributedDataParallel over the eager model, torch.optim.AdamW: the peer
-  resident   hetero, no budget (everything on the device), gradients averaged by hetero
-  device25   hetero, device budget 25% of the training state, host the rest
+  resident   hetero, NO_SHARD, no budget (everything on the device): gradients all-reduced
+  sharded    hetero, SHARD_GRAD_OP, no budget: gradients reduced to each chunk's owner, which
+             updates it and broadcasts its parameters (each rank holds its share of Adam states)
+  device25   hetero, SHARD_GRAD_OP, device budget 25% of the training state, host the rest
 
-Reported (rank 0's medians): each configuration's step time against ddp's, and hetero's gradient
-averaging per step (the runtime's own "all_reduce" spans) against a bare ``all_reduce`` of the
-same gradient bytes in hetero's chunks: the communication floor of a lazy average (DDP hides
-its all_reduce behind the backward; hetero's runs after it, see README).
+Reported (rank 0's medians): each configuration's step time against ddp's, hetero's gradient
+averaging per step (the runtime's own spans) against a bare ``all_reduce`` of the same gradient
+bytes in hetero's chunks: the communication floor of a lazy average (DDP hides its all_reduce
+behind the backward; hetero's runs after it, see README), and the Adam state bytes rank 0
+holds (sharded: about 1/ranks of them).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from hetero import models
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts and argtypes
 import argtypes  # noqa: E402
 
-CONFIGS = ("ddp", "resident", "device25")
+CONFIGS = ("ddp", "resident", "sharded", "device25")
 
 
 def _spans(wrapped: hetero.HeteroModule) -> list[tuple[str, str, float, float]]:
@@ -66,8 +69,10 @@ def _worker(rank: int, args: argparse.Namespace, rendezvous: str, out: str) -> N
     eager = copy.deepcopy(base)
     ddp = torch.nn.parallel.DistributedDataParallel(eager)
     runs = {"ddp": (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3))}
-    for name, budget in (("resident", None), ("device25", state // 4)):
-        w = hetero.wrap(copy.deepcopy(base), device="cpu", device_budget=budget, chunk_size=args.chunk_size)
+    for name, budget, strategy in (("resident", None, "NO_SHARD"), ("sharded", None, "SHARD_GRAD_OP"),
+                                   ("device25", state // 4, "SHARD_GRAD_OP")):
+        w = hetero.wrap(copy.deepcopy(base), device="cpu", device_budget=budget, chunk_size=args.chunk_size,
+                        sharding_strategy=strategy)
         runs[name] = (w, hetero.optim.AdamW(w.parameters(), lr=1e-3))
     times: dict[str, list[float]] = {n: [] for n in CONFIGS}
     averaging: dict[str, list[float]] = {n: [] for n in CONFIGS if n != "ddp"}
@@ -107,6 +112,8 @@ def _worker(rank: int, args: argparse.Namespace, rendezvous: str, out: str) -> N
             f.div_(args.ranks)
             dist.all_reduce(f)
         bare.append(time.perf_counter() - t0)
+    adam_bytes = {n: sum(b.nbytes for c in runs[n][0]._hetero_state.chunks for k, b in c.blocks.items()
+                         if k in ("exp_avg", "exp_avg_sq") and b.tiers) for n in averaging}
     for name in averaging:
         runs[name][0].close()
     if rank == 0:
@@ -120,6 +127,7 @@ def _worker(rank: int, args: argparse.Namespace, rendezvous: str, out: str) -> N
             "averaging_s": avg, "bare_all_reduce_s": statistics.median(bare),
             "averaging_vs_bare": {n: avg[n] / statistics.median(bare) for n in avg},
             "final_loss": {n: losses[n][-1] for n in CONFIGS},
+            "adam_state_bytes_rank0": adam_bytes,
         }
         with open(out, "w") as f:
             json.dump(fig, f)
@@ -153,13 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{fig['model']} GPT, {fig['ranks']} ranks (gloo, CPU), batch {fig['batch_size']} per rank, "
           f"{fig['steps']} steps each, chunk {fig['chunk_size']} ({fig['chunks']} grad blocks, "
           f"{fig['grad_bytes'] / 2**20:.2f} MiB)")
-    print(f"{'config':10} {'s/step':>8} {'/ ddp':>7} {'avg s':>8} {'/ bare':>7} {'loss':>7}")
+    print(f"{'config':10} {'s/step':>8} {'/ ddp':>7} {'avg s':>8} {'/ bare':>7} {'loss':>7} {'Adam MiB':>9}")
     for n in CONFIGS:
         avg = fig["averaging_s"].get(n)
         avg_s = "" if avg is None else f"{avg:8.4f}"
         vs_bare = "" if avg is None else f"{fig['averaging_vs_bare'][n]:7.2f}"
+        adam = fig["adam_state_bytes_rank0"].get(n)
+        adam_s = "" if adam is None else f"{adam / 2**20:9.2f}"
         print(f"{n:10} {fig['step_s'][n]:8.4f} {fig['vs_ddp'][n]:7.3f} {avg_s:>8} {vs_bare:>7} "
-              f"{fig['final_loss'][n]:7.3f}")
+              f"{fig['final_loss'][n]:7.3f} {adam_s:>9}")
     print(f"bare all_reduce of the gradient bytes: {fig['bare_all_reduce_s']:.4f} s")
     if args.json:
         with open(args.json, "w") as f:

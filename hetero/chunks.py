@@ -97,6 +97,9 @@ class Chunk:
         # Pending gradient scale (from clipping) for low-precision gradients: applied in fp32 by the
         # optimizer, as it would be on fp32 master gradients, instead of rounding it into the block.
         self.grad_scale: Optional[torch.Tensor] = None
+        # With sharded data parallelism the owner's grad block holds the mean over this many ranks
+        # (hetero.distributed): a gradient added to it first turns it back into their sum.
+        self.grad_world = 1
         # NaN placeholder shown by parameters whose block is off the device (expand: no memory).
         self._poison = torch.full((), math.nan, dtype=dtype, device=device)
 

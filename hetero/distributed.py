@@ -1,17 +1,21 @@
 """Data parallelism across the ranks of a torch.distributed process group.
 
-Every rank holds the whole training state under its own budgets (its own device, host arena and
+Every rank places its training state under its own budgets (its own device, host arena and
 swap files) and trains on its own batches; the ranks' gradients are averaged before anything
-reads them, so every rank takes the same step: the result of DDP, or of FSDP's ``NO_SHARD``.
-The other sharding strategies are accepted and run the same way (the state is replicated, not
-divided among ranks: each rank needs the budgets of the whole model).
+reads them, so every rank takes the same step: the result of DDP. With ``NO_SHARD`` every rank
+holds the whole state. The other strategies shard by whole chunk (ZeRO-2, and PatrickStar's
+chunk ownership): each trainable chunk has an owner rank, which alone keeps the averaged
+gradient (reduced to it) and the Adam states, runs the chunk's update and broadcasts the updated
+parameters; parameters, and gradients while they accumulate, are on every rank.
 
 The averaging is lazy: a backward outside ``no_sync()`` marks the gradients due, and the first
 reader after it (``optimizer.step()``, ``clip_grad_norm_``, the scaler's unscale) averages every
 grad block once, chunk by chunk in the same order on every rank: with gloo where the block lives,
 with NCCL on the device (a host-resident gradient travels there and back). Which reader does it
-may differ between ranks (rank 0 alone measuring the norm before the step is fine), but as with
-DDP and FSDP every rank must run the synced backward. Gradients accumulated under ``no_sync()``
+may differ between ranks under ``NO_SHARD`` (rank 0 alone measuring the norm before the step is
+fine; sharded, the norm, the scaler's inf check and the optimizer's state dict gather from the
+owners, so they are collectives, as FSDP's), but as with DDP and FSDP every rank must run the
+synced backward. Gradients accumulated under ``no_sync()``
 are averaged with the next synced backward's, as DDP does. Ranks agree before each chunk's
 reduction that all of them hold it, so a rank whose swap read failed makes every rank raise,
 instead of leaving its peers in a collective that never completes. Collectives are
@@ -88,6 +92,27 @@ class Replicas:
         self.on_device = self.backend == "nccl"
         self.comm_device = (torch.device("cuda", torch.cuda.current_device()) if self.on_device
                             else torch.device("cpu"))
+        self.sharded = False  # (see shard())
+        self.owner: dict[int, int] = {}  # chunk index -> the rank (of the group) owning its update
+
+    def shard(self, chunks: list["Chunk"]) -> None:
+        """Give each trainable chunk an owner, balancing bytes (the same on every rank): only the
+        owner keeps the chunk's averaged gradient and optimizer states and runs its update, then
+        broadcasts the updated parameters (ZeRO-2, by whole chunks as PatrickStar does)."""
+        self.sharded = True
+        load = [0] * self.world
+        for c in chunks:
+            if c.requires_grad:
+                r = min(range(self.world), key=lambda k: (load[k], k))
+                self.owner[c.index] = r
+                load[r] += c.blocks[PARAM].nbytes
+
+    def owns(self, chunk: "Chunk") -> bool:
+        """Whether this rank updates ``chunk`` (every rank does, replicated)."""
+        return not self.sharded or self.owner.get(chunk.index) == self.rank
+
+    def _src(self, chunk: "Chunk") -> int:
+        return dist.get_global_rank(self.group, self.owner.get(chunk.index, 0))
 
     def check_device(self, device: torch.device) -> None:
         if self.on_device and device != self.comm_device:
@@ -133,15 +158,29 @@ class Replicas:
         """Whether every rank is ok (one small collective every rank must reach)."""
         return not self.any([not ok])[0]
 
-    def average(self, flat: torch.Tensor) -> None:
-        """Replace ``flat`` with its mean over the ranks, in place. Floating-point values are
-        divided before the sum, as DDP's default hook does (no fp16 overflow of the sum)."""
-        if flat.is_floating_point() or flat.is_complex():
+    def average(self, flat: torch.Tensor, chunk: Optional["Chunk"] = None) -> None:
+        """Replace ``flat`` with its mean over the ranks, in place (sharded: on ``chunk``'s owner
+        only; the others' ``flat`` is garbage after). Floating-point values are divided before
+        the sum, as DDP's default hook does (no fp16 overflow of the sum)."""
+        fp = flat.is_floating_point() or flat.is_complex()
+        if fp:
             flat.div_(self.world)
-            dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
+        if self.sharded and chunk is not None:
+            dist.reduce(flat, self._src(chunk), dist.ReduceOp.SUM, group=self.group)
         else:
             dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
+        if not fp:
             flat.div_(self.world, rounding_mode="floor")
+
+    def broadcast_from_owner(self, tensor: torch.Tensor, chunk: "Chunk") -> None:
+        """Overwrite ``tensor`` with ``chunk``'s owner's, in place."""
+        self._broadcast(tensor, self._src(chunk))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks (a new tensor on ``t``'s device)."""
+        out = t.to(self.comm_device, copy=True)
+        dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group)
+        return out.to(t.device)
 
     def any(self, flags: list[bool]) -> list[bool]:
         """Each flag OR-ed over the ranks."""
@@ -151,17 +190,20 @@ class Replicas:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Overwrite ``tensor`` with rank 0's (of the group), in place."""
+        self._broadcast(tensor, dist.get_global_rank(self.group, 0))
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
         if self.on_device and tensor.device.type != "cuda":
             staged = tensor.to(self.comm_device)
-            dist.broadcast(staged, dist.get_global_rank(self.group, 0), group=self.group)
+            dist.broadcast(staged, src, group=self.group)
             tensor.copy_(staged)
         else:
-            dist.broadcast(tensor, dist.get_global_rank(self.group, 0), group=self.group)
+            dist.broadcast(tensor, src, group=self.group)
 
 
 def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], done: set[int]) -> None:
     """Average every grad block not in ``done`` (chunk indices, added to as they are averaged)
-    over the ranks. A parameter with a gradient on any rank has one on every rank after it (the
+    over the ranks (sharded: into its owner's, the others dropping theirs). A parameter with a gradient on any rank has one on every rank after it (the
     others contribute zeros), as in DDP; one without a gradient anywhere keeps none (the
     optimizer skips it, as torch's). Before each chunk the ranks agree that all of them acquired
     it: if one could not (HeteroIOError, HeteroOOMError), every rank raises, and a retry on
@@ -196,16 +238,24 @@ def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
                 if chunk.grad_scale is not None:  # a pending clip or unscale: before the sum
                     flat.mul_(chunk.grad_scale.to(flat.device))
                     chunk.grad_scale = None
+                if chunk.grad_world != 1:  # (an earlier average this rank owns, then more backward)
+                    flat.mul_(chunk.grad_world)
+                    chunk.grad_world = 1
                 for s, f in zip(chunk.slots, flags):
                     if f and not s.has_grad:
                         s.slice(flat).zero_()
-                replicas.average(flat)
+                replicas.average(flat, chunk)
+                mine = replicas.owns(chunk)
                 for s, f in zip(chunk.slots, flags):
-                    s.has_grad = s.has_grad or f
+                    s.has_grad = (s.has_grad or f) and mine
+                if replicas.sharded and mine:
+                    chunk.grad_world = replicas.world
             done.add(chunk.index)
         finally:
             runtime.release([block], tier)
-    runtime.tracker.compute("distributed", "all_reduce", t0)
+        if not replicas.owns(chunk):
+            runtime.discard(block)  # (its owner alone keeps the average)
+    runtime.tracker.compute("distributed", "all_reduce" if not replicas.sharded else "reduce", t0)
 
 
 def broadcast_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], module: "nn.Module") -> None:
@@ -225,3 +275,42 @@ def broadcast_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk
     with torch.no_grad():
         for b in module.buffers():
             replicas.broadcast(b)
+
+
+def broadcast_updates(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"]) -> None:
+    """After a sharded step: every rank gets each of ``chunks``' parameters from its owner (the
+    full-precision values, and the compute copy under mixed precision)."""
+    for chunk in chunks:
+        blocks = [chunk.full_precision] + ([chunk.blocks[PARAM]] if MASTER in chunk.blocks else [])
+        for block in blocks:
+            mine = replicas.owns(chunk)
+            tier = DEVICE if replicas.on_device else runtime.working_tier(block)
+            runtime.acquire([block], tier, write=not mine, record=False)
+            try:
+                replicas.broadcast_from_owner(runtime.data(block, tier), chunk)
+            finally:
+                runtime.release([block], tier)
+
+
+def gather_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"],
+                  kinds: tuple[str, ...]) -> dict[int, tuple[list[int], dict[str, torch.Tensor]]]:
+    """A sharded optimizer's whole state on every rank (its ``state_dict`` is, as FSDP's full
+    optimizer state dict, a collective): per chunk, from its owner, each slot's step count and,
+    where any is above 0, CPU copies of the ``kinds`` blocks."""
+    out: dict[int, tuple[list[int], dict[str, torch.Tensor]]] = {}
+    for chunk in chunks:
+        mine = replicas.owns(chunk)
+        steps = replicas._tensor([s.step if mine else 0 for s in chunk.slots])
+        replicas.broadcast_from_owner(steps, chunk)
+        counts = [int(v) for v in steps.tolist()]
+        flats: dict[str, torch.Tensor] = {}
+        if any(counts):
+            for kind in kinds:
+                block = chunk.blocks.get(kind) if mine else None
+                flat = (runtime.read(block) if block is not None and block.tiers
+                        else torch.zeros(chunk.numel, dtype=chunk.state_dtype))
+                wire = torch.view_as_real(flat) if flat.is_complex() else flat
+                replicas.broadcast_from_owner(wire, chunk)
+                flats[kind] = flat
+        out[chunk.index] = (counts, flats)
+    return out

@@ -207,9 +207,7 @@ class HeteroState:
             ref = weakref.ref(self)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "release_grad_pin"))
         with torch.no_grad():
-            if chunk.grad_scale is not None:  # clipped, then accumulated into: apply the clip
-                block.device.mul_(chunk.grad_scale.to(block.device.device))
-                chunk.grad_scale = None
+            _fold_pending(chunk, block.device)
             dst = slot.slice(block.device)
             if slot.has_grad:
                 dst.add_(grad)
@@ -239,9 +237,7 @@ class HeteroState:
             self.runtime.acquire([block], DEVICE, write=True)  # (created zero-filled on first use)
             try:
                 with torch.no_grad():
-                    if chunk.grad_scale is not None:  # a pending clip or unscale of the others
-                        block.device.mul_(chunk.grad_scale.to(block.device.device))
-                        chunk.grad_scale = None
+                    _fold_pending(chunk, block.device)
                     for p, slot in items:
                         slot.slice(block.device).copy_(p.grad)
                         slot.has_grad = True
@@ -310,6 +306,7 @@ class HeteroState:
                 continue
             if len(slots) == sum(s.has_grad for s in chunk.slots):
                 chunk.grad_scale = None  # (else the other gradients, another optimizer's, keep it)
+                chunk.grad_world = 1
             if set_to_none:
                 for s in slots:
                     s.has_grad = False
@@ -633,6 +630,17 @@ def _refuse_transforms() -> None:
             "run; expected loss.backward() or torch.autograd.grad for gradients")
 
 
+def _fold_pending(chunk: Chunk, flat: torch.Tensor) -> None:
+    """Before a gradient is added to ``chunk``'s grad block ``flat``: apply a pending clip or
+    unscale, and turn a sharded owner's mean back into the ranks' sum (see Chunk.grad_world)."""
+    if chunk.grad_scale is not None:
+        flat.mul_(chunk.grad_scale.to(flat.device))
+        chunk.grad_scale = None
+    if chunk.grad_world != 1:
+        flat.mul_(chunk.grad_world)
+        chunk.grad_world = 1
+
+
 def _check_params(module: nn.Module) -> None:
     """Refuse what chunks cannot hold: parameters that are not floating-point or complex
     (chunks are NaN-filled at rest), and sparse gradients (grad blocks are dense)."""
@@ -881,9 +889,11 @@ def wrap(
         raise
     if replicas is not None:
         replicas.agree_layout((chunks, module, cfg))
-        if cfg.sharding_strategy is not ShardingStrategy.NO_SHARD and replicas.rank == 0:
-            log.warning("hetero.wrap: sharding_strategy=%s runs as NO_SHARD: each of the %d ranks holds "
-                        "the whole state under its own budgets, gradients are averaged",
+        if cfg.sharding_strategy is not ShardingStrategy.NO_SHARD:
+            replicas.shard(chunks)
+        if cfg.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) and replicas.rank == 0:
+            log.warning("hetero.wrap: sharding_strategy=%s shards gradients and optimizer states by "
+                        "chunk over the %d ranks (as SHARD_GRAD_OP); parameters are replicated",
                         cfg.sharding_strategy.value, replicas.world)
     mp = cfg.mixed_precision
 

@@ -56,8 +56,18 @@ def _budgets(kind: str, where: Path, **extra) -> dict:
     return tight_budgets(kind, where) | extra
 
 
+def _assert_same_optimizer(eopt: torch.optim.Optimizer, hopt: torch.optim.Optimizer) -> None:
+    """hetero's optimizer state dict (gathered from the owners where sharded) is torch's."""
+    want, got = eopt.state_dict()["state"], hopt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for i in want:
+        for k in want[i]:
+            torch.testing.assert_close(got[i][k], want[i][k], msg=lambda m: f"state {i}.{k}: {m}")
+
+
 def _train_both(rank: int, eager: nn.Module, wrapped: hetero.HeteroModule, steps: int, *,
-                micro: int = 1, clip: float | None = None, find_unused: bool = False) -> None:
+                micro: int = 1, clip: float | None = None, norm_type: float = 2.0,
+                find_unused: bool = False) -> None:
     """DDP over ``eager`` and ``wrapped`` on this rank's batches (``micro`` micro-batches per step,
     all but the last under no_sync); losses, clipped norms and weights compared every step."""
     ddp = DDP(eager, find_unused_parameters=find_unused)
@@ -75,12 +85,13 @@ def _train_both(rank: int, eager: nn.Module, wrapped: hetero.HeteroModule, steps
                 hl.backward()
             torch.testing.assert_close(hl, el)
         if clip is not None:
-            en = torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
-            hn = wrapped.clip_grad_norm_(clip)
+            en = torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip, norm_type)
+            hn = wrapped.clip_grad_norm_(clip, norm_type)
             torch.testing.assert_close(hn.cpu(), en)
         eopt.step(), hopt.step()
         eopt.zero_grad(), hopt.zero_grad()
     assert_same_model(eager, wrapped)
+    _assert_same_optimizer(eopt, hopt)
     assert_within_budgets(wrapped)
 
 
@@ -95,11 +106,12 @@ def _case_nvme_auto(rank: int, where: Path) -> None:
 
 
 def _case_lru_no_sync_clip(rank: int, where: Path) -> None:
-    eager = seeded_gpt()
-    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device25_host", where, policy="lru",
-                                                            sharding_strategy="NO_SHARD"))
-    _train_both(rank, eager, wrapped, steps=2, micro=3, clip=0.5)
-    wrapped.close()
+    for strategy, norm_type in (("NO_SHARD", 2.0), ("SHARD_GRAD_OP", 1.0), ("FULL_SHARD", float("inf"))):
+        eager = seeded_gpt()
+        wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device25_host", where / strategy, policy="lru",
+                                                                sharding_strategy=strategy))
+        _train_both(rank, eager, wrapped, steps=2, micro=3, clip=0.5, norm_type=norm_type)
+        wrapped.close()
 
 
 class TwoHeads(nn.Module):
@@ -132,9 +144,7 @@ def _case_unused_on_some_ranks(rank: int, where: Path) -> None:
         eopt.zero_grad(), hopt.zero_grad()
     assert_same_model(eager, wrapped)
     # The spare head had no gradient on any rank: never stepped (no Adam state), as torch's.
-    spare = {id(p) for p in wrapped.module.spare.parameters()}
-    assert not any(hopt.state[p] for p in wrapped.parameters() if id(p) in spare)
-    assert all(hopt.state[p] for p in wrapped.module.heads.parameters())
+    _assert_same_optimizer(eopt, hopt)
     wrapped.close()
 
 
@@ -211,10 +221,12 @@ def _case_single_rank_groups(rank: int, where: Path) -> None:
 
 
 def _case_norm_on_rank0_only(rank: int, where: Path) -> None:
-    """Rank 0 alone measures the gradient norm before the step (clip_grad_norm_(inf), a common
-    logging idiom under DDP): it averages there, rank 1 in its step; both take DDP's step."""
+    """NO_SHARD: rank 0 alone measures the gradient norm before the step (clip_grad_norm_(inf),
+    a common logging idiom under DDP): it averages there, rank 1 in its step; both take DDP's
+    step. (Sharded, clip_grad_norm_ is a collective, as FSDP's.)"""
     eager = seeded_gpt()
-    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
+    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where,
+                                                            sharding_strategy="NO_SHARD"))
     ddp = DDP(eager)
     eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
@@ -323,6 +335,85 @@ def _case_complex_and_hybrid_pair(rank: int, where: Path) -> None:
     wrapped.close()
 
 
+def _case_sharded_states_and_resume(rank: int, where: Path) -> None:
+    """SHARD_GRAD_OP: each rank keeps the Adam states of its own chunks only (together all of
+    them, once); the optimizer's state dict, gathered, is DDP's; a fresh model and optimizer
+    loaded from both state dicts go on as DDP does."""
+    eager = seeded_gpt()
+    kw = _budgets("device20_host30_nvme", where, sharding_strategy="SHARD_GRAD_OP")
+    wrapped = hetero.wrap(copy.deepcopy(eager), **kw)
+    ddp = DDP(eager)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    data = batches(4, seed=100 + rank)
+
+    def step(model, opt, x, y):
+        loss_of(ddp(x, y)).backward(), loss_of(model(x, y)).backward()
+        eopt.step(), opt.step()
+        eopt.zero_grad(), opt.zero_grad()
+
+    for x, y in data[:2]:
+        step(wrapped, hopt, x, y)
+    chunks = wrapped._hetero_state.chunks
+    mine = [c.index for c in chunks if "exp_avg" in c.blocks and c.blocks["exp_avg"].tiers]
+    every = [None] * WORLD
+    dist.all_gather_object(every, mine)
+    trainable = [c.index for c in chunks if c.requires_grad]
+    assert sorted(sum(every, [])) == trainable  # each chunk's states on exactly one rank
+    assert all(every), "a rank holds no state"
+    _assert_same_optimizer(eopt, hopt)
+    sd, osd = wrapped.state_dict(), hopt.state_dict()
+    wrapped.close()
+    again = hetero.wrap(seeded_gpt(), **_budgets("device25_host", where / "again", sharding_strategy="SHARD_GRAD_OP"))
+    again.load_state_dict(sd)
+    aopt = hetero.optim.AdamW(again.parameters(), lr=1e-2)
+    aopt.load_state_dict(osd)
+    for x, y in data[2:]:
+        step(again, aopt, x, y)
+    assert_same_model(eager, again)
+    _assert_same_optimizer(eopt, aopt)
+    again.close()
+
+
+def _case_sharding_fits_smaller_budgets(rank: int, where: Path) -> None:
+    """Budgets that cannot hold a replica's whole state (NO_SHARD refuses the optimizer) hold a
+    rank's share of it under SHARD_GRAD_OP, which trains as DDP."""
+    from models import state_bytes
+
+    total = state_bytes(seeded_gpt())
+    kw = dict(device="cpu", chunk_size="8KiB", device_budget=int(total * 0.3), host_budget=int(total * 0.8))
+    replica = hetero.wrap(seeded_gpt(), sharding_strategy="NO_SHARD", **kw)
+    with pytest.raises(hetero.HeteroOOMError):
+        opt = hetero.optim.AdamW(replica.parameters(), lr=1e-2)
+        x, y = batches(1)[0]
+        loss_of(replica(x, y)).backward()
+        opt.step()
+    replica.close()
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), sharding_strategy="SHARD_GRAD_OP", **kw)
+    _train_both(rank, eager, wrapped, steps=2)
+    wrapped.close()
+
+
+def _case_backward_after_clip(rank: int, where: Path) -> None:
+    """backward, clip (averages), backward again, clip, step: the second averaging adds the new
+    gradients' mean to the first's, as DDP (whose all_reduce sums .grad again), sharded too."""
+    for strategy in ("SHARD_GRAD_OP", "NO_SHARD"):
+        eager = seeded_gpt()
+        wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device25_host", where / strategy,
+                                                                sharding_strategy=strategy))
+        ddp = DDP(eager)
+        eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        for x, y in batches(2, seed=100 + rank):
+            loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+            torch.testing.assert_close(wrapped.clip_grad_norm_(1e9).cpu(),
+                                       torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e9))
+        eopt.step(), hopt.step()
+        assert_same_model(eager, wrapped)
+        wrapped.close()
+
+
 def _case_fp16_average(rank: int, where: Path) -> None:
     """fp16 values are divided before the sum, as DDP's hook does: 40000 on both ranks averages
     to 40000, not to inf (the sum, 80000, is beyond fp16)."""
@@ -348,6 +439,9 @@ CASES = {
     "frozen_on_one_rank": _case_frozen_on_one_rank,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,
     "fp16_average": _case_fp16_average,
+    "backward_after_clip": _case_backward_after_clip,
+    "sharded_states_and_resume": _case_sharded_states_and_resume,
+    "sharding_fits_smaller_budgets": _case_sharding_fits_smaller_budgets,
     "bad_argument_on_one_rank": _case_bad_argument_on_one_rank,
     "complex_and_hybrid_pair": _case_complex_and_hybrid_pair,
 }
@@ -393,13 +487,13 @@ def test_torchrun_default_group(tmp_path: Path) -> None:
         assert_same_model(eager, model)
         model.close()
         dist.destroy_process_group()
-        print("rank", rank, "ok")
+        open(os.path.join({str(tmp_path)!r}, f"ok{{rank}}"), "w").close()
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
                           str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
     assert not list(tmp_path.glob("swap*/*/*"))  # swap files removed
 
 

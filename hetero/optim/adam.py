@@ -35,6 +35,7 @@ import torch
 
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import exact_size, format_size, raise_budget_advice
+from ..distributed import broadcast_updates, gather_states
 from ..errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from ..interrupts import critical
 from ..tiers import DEVICE, HOST, NVME
@@ -178,10 +179,14 @@ class Adam(torch.optim.Optimizer):
     def _group_index(self) -> dict[int, int]:
         return {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
 
-    def _chunks(self) -> list[Chunk]:
+    def _chunks(self, owned: bool = True) -> list[Chunk]:
+        """The trainable chunks holding this optimizer's parameters (``owned``: those this rank
+        updates, all but with sharded data parallelism: :mod:`hetero.distributed`)."""
         groups = self._group_index()
+        rep = self._state.replicas
         return [c for c in self._state.chunks
-                if c.requires_grad and any(id(s.param) in groups for s in c.slots)]
+                if c.requires_grad and any(id(s.param) in groups for s in c.slots)
+                and (not owned or rep is None or rep.owns(c))]
 
     def _check_capacity(self) -> None:
         """Refuse up front when parameters, gradients and these optimizer states cannot all fit,
@@ -314,6 +319,9 @@ class Adam(torch.optim.Optimizer):
         t0 = st.runtime.tracker.now()
         try:
             self._update(st)
+            if st.replicas is not None and st.replicas.sharded:  # each rank updated its own chunks
+                st.runtime.catch_up()
+                broadcast_updates(st.replicas, st.runtime, self._chunks(owned=False))
         finally:
             st.runtime.tracker.compute("optimizer", "step", t0)
         return loss
@@ -567,10 +575,19 @@ class Adam(torch.optim.Optimizer):
             rt = self._state.runtime
             rt.catch_up()  # step counts and states as of the last step()
             flats: dict[tuple[int, str], torch.Tensor] = {}
+            rep = self._state.replicas
+            steps: dict[int, int] = {}  # id(slot) -> step count, from the owners where sharded
+            if rep is not None and rep.sharded:
+                for index, (counts, got) in gather_states(rep, rt, self._chunks(owned=False),
+                                                          (EXP_AVG, EXP_AVG_SQ)).items():
+                    chunk = self._state.chunks[index]
+                    steps.update((id(s), n) for s, n in zip(chunk.slots, counts))
+                    flats.update(((index, k), f) for k, f in got.items())
             for i, chunk, slot in self._slots_in_order():
-                if slot.step == 0:
+                step = steps.get(id(slot), slot.step)
+                if step == 0:
                     continue
-                entry = {"step": torch.tensor(float(slot.step), dtype=torch.float32)}
+                entry = {"step": torch.tensor(float(step), dtype=torch.float32)}
                 for kind in (EXP_AVG, EXP_AVG_SQ):
                     key = (chunk.index, kind)
                     if key not in flats:
@@ -615,7 +632,9 @@ class Adam(torch.optim.Optimizer):
                 if isinstance(entry, Mapping) and not entry:
                     entry = None  # ({}: torch's "no state yet")
                 _check_entry(keys[i], slot, entry)
-                entries[id(slot)] = (chunk, slot, entry)
+                rep = self._state.replicas
+                if rep is None or rep.owns(chunk):  # (sharded: each rank keeps its own chunks')
+                    entries[id(slot)] = (chunk, slot, entry)
             self._write_states(entries)
         for saved, group in zip(saved_groups, self.param_groups):
             for k, v in saved.items():

@@ -19,6 +19,7 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
     ``min(1, max_norm / (total + 1e-6))`` (lazily: see the end). Parameters without a gradient are
     skipped."""
     norm_type = float(norm_type)
+    params = list(dict.fromkeys(params))
     rt = state.runtime
     per_param: dict[int, torch.Tensor] = {}
     chunks = [c for c in state.chunks if GRAD in c.blocks and c.blocks[GRAD].tiers
@@ -50,7 +51,13 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
                     per_param[id(s.param)] = torch.linalg.vector_norm(g, norm_type).to(state.cfg.device)
         finally:
             rt.release([block], tier)
-    norms = [per_param[id(p)] for p in dict.fromkeys(params) if id(p) in per_param]
+    rep = state.replicas
+    if rep is not None and rep.sharded:  # each parameter's gradient is on its chunk's owner
+        zero = torch.zeros((), device=state.cfg.device)
+        found = rep.sum(torch.stack([per_param.get(id(p), zero).float() for p in params] + [zero]))
+        has = rep.sum(torch.tensor([float(id(p) in per_param) for p in params] + [0.0], device=zero.device))
+        per_param = {id(p): found[i] for i, p in enumerate(params) if has[i] > 0}
+    norms = [per_param[id(p)] for p in params if id(p) in per_param]
     if not norms:
         return torch.tensor(0.0, device=state.cfg.device)
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)

@@ -63,6 +63,8 @@ class GradScaler(torch.amp.GradScaler):
                 rt.release([block], tier)
             if not mixed:
                 chunk.grad_scale = scale if chunk.grad_scale is None else chunk.grad_scale * scale
+        if state.replicas is not None and state.replicas.sharded:  # (each rank saw its own chunks)
+            bad = state.replicas.sum(bad.to(torch.int64)) > 0
         found_inf += bad.to(found_inf.device, found_inf.dtype)
         return {found_inf.device: found_inf}
 
