@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import itertools
 import json
 import os
 import statistics
