@@ -24,7 +24,6 @@ torch.distributed's (gloo on CPUs, NCCL on GPUs).
 
 from __future__ import annotations
 
-import logging
 import zlib
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -42,15 +41,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import Config
     from .runtime import Runtime
 
-log = logging.getLogger(__name__)
-
-
-def resolve_group(process_group: Any, sharding_strategy: Any = None) -> Optional[Any]:
+def resolve_group(process_group: Any) -> Optional[Any]:
     """The process group ``wrap`` averages over, or None for one process (``process_group=None``
     without torch.distributed initialized, or a group of one rank). FSDP's HYBRID_SHARD pair
     ``(intra_node_group, inter_node_group)`` is accepted when the two span the world (the usual
-    layout): the state is replicated on every rank either way. Raises HeteroConfigError for
-    anything else that is not a ProcessGroup."""
+    layout), and stands for the world: hetero shards over all ranks alike. Raises
+    HeteroConfigError for anything else that is not a ProcessGroup."""
     usable = dist.is_available() and dist.is_initialized()
     if isinstance(process_group, tuple) and usable and len(process_group) == 2 and all(
             isinstance(g, dist.ProcessGroup) for g in process_group):
@@ -80,15 +76,16 @@ def peer_failed() -> HeteroConfigError:
 
 
 class Replicas:
-    """The ranks of ``group``, each holding the whole state: averages gradients, broadcasts
-    states, and checks that every rank wrapped the same model."""
+    """The ranks of ``group`` and who owns which chunk's update (everyone, unless sharded):
+    averages gradients, broadcasts states, and checks that every rank wrapped the same model."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group)).lower()
-        # NCCL reduces device tensors only; gloo reduces CPU (and CUDA) tensors where they are.
+        # NCCL reduces device tensors only; gloo reduces CPU (and CUDA) tensors where they are
+        # (a group of both, "cpu:gloo,cuda:nccl", takes each tensor to the backend of its device).
         self.on_device = self.backend == "nccl"
         self.comm_device = (torch.device("cuda", torch.cuda.current_device()) if self.on_device
                             else torch.device("cpu"))

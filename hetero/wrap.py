@@ -874,7 +874,7 @@ def wrap(
     and budgets below the minimum, HeteroOOMError when the tiers together cannot hold the
     parameters and gradients.
     """
-    group = resolve_group(process_group, sharding_strategy)  # (a bad one fails every rank alike)
+    group = resolve_group(process_group)  # (a bad one fails every rank alike)
     replicas = Replicas(group) if group is not None else None
     try:
         cfg, chunks, units = _prepare(
