@@ -861,8 +861,9 @@ def wrap(
     """Place ``module``'s training state across device, host and NVMe under hard budgets.
 
     See ``shared/API.md`` for every argument. With a process group of several ranks, each rank
-    holds the whole state under its own budgets and gradients are averaged over the ranks
-    (:mod:`hetero.distributed`: data parallelism, whatever ``sharding_strategy`` says).
+    places its state under its own budgets and gradients are averaged over the ranks
+    (:mod:`hetero.distributed`: data parallelism; ``NO_SHARD`` replicates everything, the other
+    strategies give each chunk's gradient, optimizer states and update to one owner rank).
     ``sync_module_states`` (beyond API.md, as FSDP's): every rank starts from rank 0's
     parameters and buffers. ``log_steps`` (beyond API.md): the report's logs
     (events, accesses, moves, tier usage, stalls, compute spans) keep only about the last
