@@ -37,7 +37,7 @@ from .tiers import DEVICE
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-    from .chunks import Chunk
+    from .chunks import Block, Chunk
     from .config import Config
     from .runtime import Runtime
 
@@ -276,17 +276,40 @@ def broadcast_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk
 
 def broadcast_updates(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"]) -> None:
     """After a sharded step: every rank gets each of ``chunks``' parameters from its owner (the
-    full-precision values, and the compute copy under mixed precision)."""
-    for chunk in chunks:
+    full-precision values, and the compute copy under mixed precision), removing each chunk from
+    ``chunks`` once shared. The ranks agree before each chunk that all of them hold its blocks:
+    if one could not (HeteroIOError, HeteroOOMError), every rank raises, and ``chunks`` keeps
+    what is left to share."""
+    while chunks:
+        chunk = chunks[0]
+        mine = replicas.owns(chunk)
         blocks = [chunk.full_precision] + ([chunk.blocks[PARAM]] if MASTER in chunk.blocks else [])
-        for block in blocks:
-            mine = replicas.owns(chunk)
-            tier = DEVICE if replicas.on_device else runtime.working_tier(block)
-            runtime.acquire([block], tier, write=not mine, record=False)
-            try:
+        tiers = [DEVICE if replicas.on_device else runtime.working_tier(b) for b in blocks]
+        held: list[tuple["Block", str]] = []
+        failure: Optional[BaseException] = None
+        try:
+            for block, tier in zip(blocks, tiers):
+                runtime.acquire([block], tier, write=not mine, record=False)
+                held.append((block, tier))
+        except (HeteroIOError, HeteroOOMError) as exc:
+            failure = exc
+        try:
+            if not replicas.agree(failure is None):
+                raise failure or unshared(chunk)
+            for block, tier in held:
                 replicas.broadcast_from_owner(runtime.data(block, tier), chunk)
-            finally:
+        finally:
+            for block, tier in held:
                 runtime.release([block], tier)
+        chunks.pop(0)
+
+
+def unshared(chunk: "Chunk") -> HeteroIOError:
+    """What a rank raises when another could not take part in sharing ``chunk``'s update."""
+    return HeteroIOError(
+        f"another rank of the process group could not share the updated parameters of chunk "
+        f"{chunk.index} (its error says why); the step itself is taken: the sharing resumes at the "
+        "next forward or step() on every rank (do not repeat this step())")
 
 
 def gather_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"],

@@ -23,8 +23,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, ShardingStrategy, exact_size, format_size, raise_budget_advice
-from .distributed import Replicas, average_gradients, broadcast_states, peer_failed, resolve_group
-from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
+from .distributed import (Replicas, average_gradients, broadcast_states, broadcast_updates, peer_failed,
+                          resolve_group, unshared)
+from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError, HeteroStateError
 from .interrupts import critical, install as install_interrupts
 from .policies import claim, make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
@@ -72,6 +73,7 @@ class HeteroState:
         self.replicas = replicas  # the other ranks holding the same state (None: one process)
         self.grads_due = False  # a backward outside no_sync() left gradients to average
         self._averaged: set[int] = set()  # chunks an averaging that failed half-way had done
+        self._unshared: list[Chunk] = []  # sharded: chunks whose update is still to broadcast
         self.policy_start = policy_start  # what a replay starts from (policies.starting_copy)
         # The grad block the backward is accumulating into, kept acquired on the device across
         # consecutive gradients of its chunk (see accumulate_grad).
@@ -83,6 +85,8 @@ class HeteroState:
     @critical
     def pre_forward(self, unit: Unit) -> Call:
         _refuse_transforms()
+        if self._unshared:
+            self.share_updates([])
         self.check_rest_writes({id(b.chunk): b.chunk for b in unit.param_blocks}.values())
         if torch._C._current_graph_task_id() == -1:  # a real forward
             self.runtime.acquire(unit.param_blocks)
@@ -272,6 +276,23 @@ class HeteroState:
         average_gradients(self.replicas, self.runtime, self.chunks, self._averaged)
         self.grads_due = False
         self._averaged.clear()
+
+    @critical
+    def share_updates(self, chunks: list[Chunk]) -> None:
+        """Sharded data parallelism, after a step: run what it postponed (their owners' updates
+        of ``chunks``), then broadcast the chunks' parameters from their owners
+        (:func:`~hetero.distributed.broadcast_updates`). A failure on any rank raises on every
+        rank with the step taken; what is left is shared at the next forward or step()."""
+        assert self.replicas is not None
+        self._unshared.extend(c for c in chunks if c not in self._unshared)
+        failure: Optional[BaseException] = None
+        try:
+            self.runtime.catch_up()
+        except (HeteroIOError, HeteroOOMError) as exc:
+            failure = exc
+        if not self.replicas.agree(failure is None):
+            raise failure or unshared(self._unshared[0])
+        broadcast_updates(self.replicas, self.runtime, self._unshared)
 
     def release_grad_pin(self) -> None:
         """Let the grad block being accumulated into go (it may be evicted again)."""

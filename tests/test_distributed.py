@@ -273,6 +273,50 @@ def _case_failed_averaging_on_one_rank(rank: int, where: Path) -> None:
     wrapped.close()
 
 
+def _case_failed_sharing(rank: int, where: Path) -> None:
+    """Sharded: a rank failing after its own updates (a postponed update's swap read on rank 1,
+    then a parameter block for the broadcast on rank 0) makes step() raise on every rank with
+    the step taken; the next forward finishes the sharing, and training goes on as DDP's."""
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
+    ddp = DDP(eager)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    rt = wrapped._hetero_state.runtime
+    catch_up, acquire, fail = rt.catch_up, rt.acquire, {"catch_up": 0, "acquire": 0}
+
+    def failing_catch_up(*args, **kwargs):
+        fail["catch_up"] -= 1
+        if fail["catch_up"] == 0:
+            raise hetero.HeteroIOError("injected: postponed update failed")
+        return catch_up(*args, **kwargs)
+
+    def failing_acquire(blocks, *args, **kwargs):
+        if fail["acquire"] and kwargs.get("record") is False and blocks[0].kind == "param":
+            fail["acquire"] -= 1
+            if not fail["acquire"]:
+                raise hetero.HeteroIOError("injected: parameter read failed")
+        return acquire(blocks, *args, **kwargs)
+
+    rt.catch_up, rt.acquire = failing_catch_up, failing_acquire
+    for step, (x, y) in enumerate(batches(5, seed=100 + rank)):
+        loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+        eopt.step()
+        if step in (1, 3):
+            injected = (rank == 1) if step == 1 else (rank == 0)
+            if injected:
+                fail["catch_up" if step == 1 else "acquire"] = 2
+            with pytest.raises(hetero.HeteroIOError, match="injected" if injected else "do not repeat"):
+                hopt.step()
+        else:
+            hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    wrapped(*batches(1)[0])  # (the sharing of the last failure is done by now)
+    assert_same_model(eager, wrapped)
+    _assert_same_optimizer(eopt, hopt)
+    wrapped.close()
+
+
 def _case_frozen_on_one_rank(rank: int, where: Path) -> None:
     model = seeded_gpt()
     if rank == 1:
@@ -436,6 +480,7 @@ CASES = {
     "single_rank_groups": _case_single_rank_groups,
     "norm_on_rank0_only": _case_norm_on_rank0_only,
     "failed_averaging_on_one_rank": _case_failed_averaging_on_one_rank,
+    "failed_sharing": _case_failed_sharing,
     "frozen_on_one_rank": _case_frozen_on_one_rank,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,
     "fp16_average": _case_fp16_average,

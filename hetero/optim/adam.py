@@ -35,7 +35,7 @@ import torch
 
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import exact_size, format_size, raise_budget_advice
-from ..distributed import broadcast_updates, gather_states
+from ..distributed import gather_states
 from ..errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from ..interrupts import critical
 from ..tiers import DEVICE, HOST, NVME
@@ -320,8 +320,7 @@ class Adam(torch.optim.Optimizer):
         try:
             self._update(st)
             if st.replicas is not None and st.replicas.sharded:  # each rank updated its own chunks
-                st.runtime.catch_up()
-                broadcast_updates(st.replicas, st.runtime, self._chunks(owned=False))
+                st.share_updates(self._chunks(owned=False))
         finally:
             st.runtime.tracker.compute("optimizer", "step", t0)
         return loss
@@ -339,6 +338,8 @@ class Adam(torch.optim.Optimizer):
         self._check_owner()
         st.drop_stale_pins()
         rt = st.runtime
+        if st._unshared:  # (sharded: a failed step's broadcast first)
+            st.share_updates([])
         rt.catch_up()  # the last step's postponed updates first: they read its gradients
         st.adopt_grads(p for g in self.param_groups for p in g["params"])
         st.reduce_gradients()
