@@ -295,7 +295,7 @@ def broadcast_updates(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
             failure = exc
         try:
             if not replicas.agree(failure is None):
-                raise failure or unshared(chunk)
+                raise taken(failure, chunk)
             for block, tier in held:
                 replicas.broadcast_from_owner(runtime.data(block, tier), chunk)
         finally:
@@ -304,12 +304,19 @@ def broadcast_updates(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
         chunks.pop(0)
 
 
-def unshared(chunk: "Chunk") -> HeteroIOError:
-    """What a rank raises when another could not take part in sharing ``chunk``'s update."""
-    return HeteroIOError(
-        f"another rank of the process group could not share the updated parameters of chunk "
-        f"{chunk.index} (its error says why); the step itself is taken: the sharing resumes at the "
-        "next forward or step() on every rank (do not repeat this step())")
+def taken(failure: Optional[BaseException], chunk: "Chunk") -> BaseException:
+    """What every rank raises when one could not finish a sharded step after its updates (a
+    postponed update, or a block for the broadcast of ``chunk``): this rank's own error, or
+    HeteroIOError naming the other's, each saying that the step is taken."""
+    after = (f"the step itself is taken on every rank; the parameters from chunk {chunk.index} on "
+             "are shared by the next forward or step() on every rank (a step() called again "
+             "completes this one, it does not step twice)")
+    if failure is not None:
+        exc = type(failure)(f"{failure}; {after}")
+        exc.__cause__ = failure
+        return exc
+    return HeteroIOError(f"another rank of the process group could not finish its part of the "
+                         f"step (its error says why); {after}")
 
 
 def gather_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"],

@@ -24,7 +24,7 @@ from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, ShardingStrategy, exact_size, format_size, raise_budget_advice
 from .distributed import (Replicas, average_gradients, broadcast_states, broadcast_updates, peer_failed,
-                          resolve_group, unshared)
+                          resolve_group, taken)
 from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError, HeteroStateError
 from .interrupts import critical, install as install_interrupts
 from .policies import claim, make_policy, starting_copy
@@ -291,7 +291,7 @@ class HeteroState:
         except (HeteroIOError, HeteroOOMError) as exc:
             failure = exc
         if not self.replicas.agree(failure is None):
-            raise failure or unshared(self._unshared[0])
+            raise taken(failure, self._unshared[0])
         broadcast_updates(self.replicas, self.runtime, self._unshared)
 
     def release_grad_pin(self) -> None:

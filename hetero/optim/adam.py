@@ -94,6 +94,7 @@ class Adam(torch.optim.Optimizer):
         self._frozen: list[tuple[torch.Tensor, str]] = []  # parameters of chunks packed frozen
         self._queue = AdamQueue()  # runs deferred host updates, in order, off the GIL
         self._host_fits: dict[tuple[int, int], bool] = {}  # see _host_holds
+        self._sharing = False  # sharded: this optimizer's last step() raised before sharing all
         super().__init__(params, defaults)
 
     @property
@@ -318,9 +319,15 @@ class Adam(torch.optim.Optimizer):
             return loss
         t0 = st.runtime.tracker.now()
         try:
+            if self._sharing and st._unshared:  # step() again after a failed sharing: complete it
+                st.share_updates([])
+                self._sharing = False
+                return loss
             self._update(st)
             if st.replicas is not None and st.replicas.sharded:  # each rank updated its own chunks
+                self._sharing = True
                 st.share_updates(self._chunks(owned=False))
+            self._sharing = False
         finally:
             st.runtime.tracker.compute("optimizer", "step", t0)
         return loss
