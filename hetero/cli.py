@@ -135,24 +135,36 @@ def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool
 
 
 @contextlib.contextmanager
-def ranks(device: torch.device) -> Iterator[tuple[int, int]]:
-    """(rank, world size): under torchrun (WORLD_SIZE > 1) the default process group, made here
-    (gloo for a CPU device, NCCL for CUDA) unless the caller made one, and destroyed after;
-    else (0, 1)."""
+def ranks(device: torch.device) -> Iterator[tuple[int, int, torch.device]]:
+    """(rank, world size, device): under torchrun (WORLD_SIZE > 1 with RANK and MASTER_ADDR) the
+    default process group, made here (gloo for a CPU device, NCCL for CUDA, each rank on
+    cuda:LOCAL_RANK) unless the caller made one, and destroyed after; else (0, 1, device)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        yield dist.get_rank(), dist.get_world_size()
+        yield dist.get_rank(), dist.get_world_size(), device
         return
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
-        yield 0, 1
+    text = os.environ.get("WORLD_SIZE", "1") or "1"
+    try:
+        world = int(text)
+    except ValueError:
+        raise HeteroConfigError(f"WORLD_SIZE={text!r} is not a number; expected torchrun's environment "
+                                "or none") from None
+    if world <= 1 or not {"RANK", "MASTER_ADDR"} <= os.environ.keys():
+        if world > 1:
+            log.info("WORLD_SIZE=%d without RANK and MASTER_ADDR (not torchrun): one process", world)
+        yield 0, 1, device
         return
     if not dist.is_available():
         raise HeteroConfigError("WORLD_SIZE > 1 (torchrun) but this torch has no torch.distributed; "
                                 "expected one process, or a torch build with distributed support")
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # (NCCL and hetero's collectives use the current device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        yield dist.get_rank(), dist.get_world_size()
+        yield dist.get_rank(), dist.get_world_size(), device
     finally:
         dist.destroy_process_group()
 
@@ -196,7 +208,7 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
     losses: list[float] = []
     times: list[float] = []
     start = time.perf_counter()
-    with ranks(dev) as (rank, world), nvme_dir(nvme_path, no_nvme) as swap:
+    with ranks(dev) as (rank, world, dev), nvme_dir(nvme_path, no_nvme) as swap:
         # (one Markov chain for all ranks, each drawing its own batches from it)
         data = models.MarkovData(cfg.vocab_size, seed=seed, stream=rank)
         wrapped = hetero.wrap(model, device=dev, device_budget=budgets.device,

@@ -25,7 +25,7 @@ torch.distributed's (gloo on CPUs, NCCL on GPUs).
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,8 +84,9 @@ class Replicas:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group)).lower()
-        # NCCL reduces device tensors only; gloo reduces CPU (and CUDA) tensors where they are
-        # (a group of both, "cpu:gloo,cuda:nccl", takes each tensor to the backend of its device).
+        # NCCL reduces device tensors only; gloo all-reduces and broadcasts CPU and CUDA tensors
+        # (its reduce: CPU ones only); a group of both, "cpu:gloo,cuda:nccl", takes each tensor
+        # to the backend of its device.
         self.on_device = self.backend == "nccl"
         self.comm_device = (torch.device("cuda", torch.cuda.current_device()) if self.on_device
                             else torch.device("cpu"))
@@ -159,15 +160,16 @@ class Replicas:
         """Replace ``flat`` with its mean over the ranks, in place (sharded: on ``chunk``'s owner
         only; the others' ``flat`` is garbage after). Floating-point values are divided before
         the sum, as DDP's default hook does (no fp16 overflow of the sum)."""
-        fp = flat.is_floating_point() or flat.is_complex()
-        if fp:
-            flat.div_(self.world)
+        flat.div_(self.world)  # (gradients are floating-point or complex: wrap refuses others)
         if self.sharded and chunk is not None:
-            dist.reduce(flat, self._src(chunk), dist.ReduceOp.SUM, group=self.group)
+            if flat.is_cuda and self.backend == "gloo":  # (gloo's reduce takes CPU tensors only)
+                staged = flat.cpu()
+                dist.reduce(staged, self._src(chunk), dist.ReduceOp.SUM, group=self.group)
+                flat.copy_(staged)
+            else:
+                dist.reduce(flat, self._src(chunk), dist.ReduceOp.SUM, group=self.group)
         else:
             dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
-        if not fp:
-            flat.div_(self.world, rounding_mode="floor")
 
     def broadcast_from_owner(self, tensor: torch.Tensor, chunk: "Chunk") -> None:
         """Overwrite ``tensor`` with ``chunk``'s owner's, in place."""
@@ -200,9 +202,10 @@ class Replicas:
 
 def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], done: set[int]) -> None:
     """Average every grad block not in ``done`` (chunk indices, added to as they are averaged)
-    over the ranks (sharded: into its owner's, the others dropping theirs). A parameter with a gradient on any rank has one on every rank after it (the
-    others contribute zeros), as in DDP; one without a gradient anywhere keeps none (the
-    optimizer skips it, as torch's). Before each chunk the ranks agree that all of them acquired
+    over the ranks (sharded: into its owner's, the others dropping theirs). A parameter with a
+    gradient on any rank has one after it (on every rank, or its owner), the others contributing
+    zeros, as in DDP; one without a gradient anywhere keeps none (the optimizer skips it, as
+    torch's). Before each chunk the ranks agree that all of them acquired
     it: if one could not (HeteroIOError, HeteroOOMError), every rank raises, and a retry on
     every rank resumes at that chunk."""
     chunks = [c for c in chunks if c.requires_grad and GRAD in c.blocks and c.index not in done]
@@ -257,18 +260,11 @@ def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
 
 def broadcast_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], module: "nn.Module") -> None:
     """Give every rank rank 0's parameters and buffers (``sync_module_states=True``, as FSDP's):
-    chunk by chunk, the parameter block and the fp32 master where mixed precision keeps one."""
-    for chunk in chunks:
-        for kind in (PARAM, MASTER):
-            block = chunk.blocks.get(kind)
-            if block is None or not block.tiers:
-                continue
-            tier = DEVICE if replicas.on_device else runtime.working_tier(block)
-            runtime.acquire([block], tier, write=True, record=False)
-            try:
-                replicas.broadcast(runtime.data(block, tier))
-            finally:
-                runtime.release([block], tier)
+    chunk by chunk, the parameter block and the fp32 master where mixed precision keeps one. A
+    failure on one rank raises on all (the peers' HeteroConfigError says another rank failed)."""
+    first = dist.get_global_rank(replicas.group, 0)
+    _share(replicas, runtime, list(chunks), lambda c: replicas.rank == 0, lambda c: first,
+           lambda failure, c: failure if failure is not None else peer_failed())
     with torch.no_grad():
         for b in module.buffers():
             replicas.broadcast(b)
@@ -278,26 +274,35 @@ def broadcast_updates(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
     """After a sharded step: every rank gets each of ``chunks``' parameters from its owner (the
     full-precision values, and the compute copy under mixed precision), removing each chunk from
     ``chunks`` once shared. The ranks agree before each chunk that all of them hold its blocks:
-    if one could not (HeteroIOError, HeteroOOMError), every rank raises, and ``chunks`` keeps
-    what is left to share."""
+    if one could not (HeteroIOError, HeteroOOMError), every rank raises (:func:`taken`), and
+    ``chunks`` keeps what is left to share."""
+    _share(replicas, runtime, chunks, lambda c: replicas.owns(c), lambda c: replicas._src(c), taken)
+
+
+def _share(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], mine: Callable[["Chunk"], bool],
+           src: Callable[["Chunk"], int],
+           failed: Callable[[Optional[BaseException], "Chunk"], BaseException]) -> None:
+    """Broadcast each of ``chunks``' parameter blocks (and master) from ``src(chunk)`` (a global
+    rank), popping each chunk once done, after the ranks agree all hold its blocks (else every
+    rank raises ``failed(its own failure or None, chunk)``)."""
     while chunks:
         chunk = chunks[0]
-        mine = replicas.owns(chunk)
+        sending = mine(chunk)
         blocks = [chunk.full_precision] + ([chunk.blocks[PARAM]] if MASTER in chunk.blocks else [])
-        tiers = [DEVICE if replicas.on_device else runtime.working_tier(b) for b in blocks]
         held: list[tuple["Block", str]] = []
         failure: Optional[BaseException] = None
         try:
-            for block, tier in zip(blocks, tiers):
-                runtime.acquire([block], tier, write=not mine, record=False)
+            for block in blocks:
+                tier = DEVICE if replicas.on_device or not block.tiers else runtime.working_tier(block)
+                runtime.acquire([block], tier, write=not sending, record=False)
                 held.append((block, tier))
         except (HeteroIOError, HeteroOOMError) as exc:
             failure = exc
         try:
             if not replicas.agree(failure is None):
-                raise taken(failure, chunk)
+                raise failed(failure, chunk)
             for block, tier in held:
-                replicas.broadcast_from_owner(runtime.data(block, tier), chunk)
+                replicas._broadcast(runtime.data(block, tier), src(chunk))
         finally:
             for block, tier in held:
                 runtime.release([block], tier)
@@ -308,9 +313,9 @@ def taken(failure: Optional[BaseException], chunk: "Chunk") -> BaseException:
     """What every rank raises when one could not finish a sharded step after its updates (a
     postponed update, or a block for the broadcast of ``chunk``): this rank's own error, or
     HeteroIOError naming the other's, each saying that the step is taken."""
-    after = (f"the step itself is taken on every rank; the parameters from chunk {chunk.index} on "
-             "are shared by the next forward or step() on every rank (a step() called again "
-             "completes this one, it does not step twice)")
+    after = (f"the step itself is taken on every rank; call step() again on every rank to share "
+             f"the parameters from chunk {chunk.index} on (it does not update twice; else the next "
+             "forward on every rank shares them)")
     if failure is not None:
         exc = type(failure)(f"{failure}; {after}")
         exc.__cause__ = failure
@@ -332,12 +337,19 @@ def gather_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"],
         counts = [int(v) for v in steps.tolist()]
         flats: dict[str, torch.Tensor] = {}
         if any(counts):
-            for kind in kinds:
-                block = chunk.blocks.get(kind) if mine else None
-                flat = (runtime.read(block) if block is not None and block.tiers
-                        else torch.zeros(chunk.numel, dtype=chunk.state_dtype))
-                wire = torch.view_as_real(flat) if flat.is_complex() else flat
-                replicas.broadcast_from_owner(wire, chunk)
-                flats[kind] = flat
+            failure: Optional[BaseException] = None
+            try:
+                for kind in kinds:
+                    block = chunk.blocks.get(kind) if mine else None
+                    flats[kind] = (runtime.read(block) if block is not None and block.tiers
+                                   else torch.zeros(chunk.numel, dtype=chunk.state_dtype))
+            except (HeteroIOError, HeteroOOMError) as exc:
+                failure = exc
+            if not replicas.agree(failure is None):  # (an owner's read failed: all raise)
+                raise failure or HeteroIOError(
+                    f"another rank of the process group could not read its optimizer states of chunk "
+                    f"{chunk.index} (its error says why); expected state_dict() again on every rank")
+            for flat in flats.values():
+                replicas.broadcast_from_owner(torch.view_as_real(flat) if flat.is_complex() else flat, chunk)
         out[chunk.index] = (counts, flats)
     return out

@@ -70,7 +70,7 @@ class HeteroState:
         self._summoned_writeback = False  # (the outermost summon's)
         self.buffer_dtypes: dict[str, torch.dtype] = {}  # as wrap found them (state_dict gives those)
         self.sync_grads = True  # (False inside no_sync())
-        self.replicas = replicas  # the other ranks holding the same state (None: one process)
+        self.replicas = replicas  # the ranks training the same model (None: one process)
         self.grads_due = False  # a backward outside no_sync() left gradients to average
         self._averaged: set[int] = set()  # chunks an averaging that failed half-way had done
         self._unshared: list[Chunk] = []  # sharded: chunks whose update is still to broadcast
@@ -921,7 +921,12 @@ def wrap(
 
     # Nothing has moved so far; from here on the runtime places the state.
     policy_start = starting_copy(cfg.policy)  # for Report.simulate(): the policy before the run
-    runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
+    try:
+        runtime = Runtime.for_chunks(cfg, chunks, make_policy(cfg.policy))
+    except BaseException:
+        if replicas is not None:  # (the host arena or the swap files: its peers must not wait)
+            replicas.agree(False)
+        raise
     claim(runtime.policy, runtime)  # (until close: no other model may run the same instance)
     install_interrupts()  # a Ctrl-C inside hetero's calls waits for their end (hetero.interrupts)
     runtime.tracker.keep_steps = cfg.log_steps
@@ -940,7 +945,13 @@ def wrap(
                 raise peer_failed()
             if sync_module_states:
                 broadcast_states(replicas, runtime, chunks, module)
-                runtime.drain()
+                failure: Optional[BaseException] = None
+                try:
+                    runtime.drain()
+                except HeteroIOError as exc:
+                    failure = exc
+                if not replicas.agree(failure is None):
+                    raise failure or peer_failed()
     except BaseException:
         if not agreed:
             replicas.agree(False)

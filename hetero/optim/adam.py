@@ -36,7 +36,7 @@ import torch
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import exact_size, format_size, raise_budget_advice
 from ..distributed import gather_states
-from ..errors import HeteroConfigError, HeteroOOMError, HeteroStateError
+from ..errors import HeteroConfigError, HeteroIOError, HeteroOOMError, HeteroStateError
 from ..interrupts import critical
 from ..tiers import DEVICE, HOST, NVME
 from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
@@ -319,18 +319,41 @@ class Adam(torch.optim.Optimizer):
             return loss
         t0 = st.runtime.tracker.now()
         try:
-            if self._sharing and st._unshared:  # step() again after a failed sharing: complete it
-                st.share_updates([])
-                self._sharing = False
-                return loss
-            self._update(st)
-            if st.replicas is not None and st.replicas.sharded:  # each rank updated its own chunks
-                self._sharing = True
-                st.share_updates(self._chunks(owned=False))
-            self._sharing = False
+            if st.replicas is not None and st.replicas.sharded:
+                self._sharded_step(st)
+            else:
+                self._update(st)
         finally:
             st.runtime.tracker.compute("optimizer", "step", t0)
         return loss
+
+    def _sharded_step(self, st: "HeteroState") -> None:
+        """Sharded data parallelism: each rank updates the chunks it owns, the ranks agree that
+        all did, then each chunk's owner broadcasts its parameters (HeteroState.share_updates).
+        A failure anywhere raises on every rank, and step() called again on every rank completes
+        the step: a rank whose update was done (``_sharing``) does not update again."""
+        rep = st.replicas
+        chunks = self._chunks(owned=False)
+        failure: Optional[BaseException] = None
+        if not (self._sharing and st._unshared):  # (else this rank's update is done already)
+            try:
+                self._update(st)
+            except (HeteroIOError, HeteroOOMError) as exc:
+                failure = exc
+        if not rep.agree(failure is None):
+            if failure is not None:
+                exc = type(failure)(f"{failure}; nothing was updated on this rank; call step() again "
+                                    "on every rank to complete the step")
+                exc.__cause__ = failure
+                raise exc
+            self._sharing = True
+            st._unshared.extend(c for c in chunks if c not in st._unshared)
+            raise HeteroIOError("another rank of the process group could not update its chunks (its "
+                                "error says why); this rank's are updated; call step() again on every "
+                                "rank to complete the step (this rank does not update twice)")
+        self._sharing = True
+        st.share_updates(chunks)
+        self._sharing = False
 
     def _update(self, st: "HeteroState") -> None:
         """The step proper (see :meth:`step`), timed there for the profiler's trace."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from ..chunks import GRAD
+from ..errors import HeteroIOError, HeteroOOMError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..chunks import Chunk
     from ..wrap import HeteroState
 
 
@@ -20,10 +22,43 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
     skipped."""
     norm_type = float(norm_type)
     params = list(dict.fromkeys(params))
-    rt = state.runtime
-    per_param: dict[int, torch.Tensor] = {}
     chunks = [c for c in state.chunks if GRAD in c.blocks and c.blocks[GRAD].tiers
               and any(s.has_grad for s in c.slots)]
+    rep = state.replicas
+    if rep is not None and rep.sharded:  # each parameter's gradient is on its chunk's owner
+        failure: Optional[BaseException] = None
+        try:
+            per_param = _local_norms(state, chunks, norm_type)
+        except (HeteroIOError, HeteroOOMError) as exc:
+            failure = exc
+        if not rep.agree(failure is None):  # (every rank raises: none waits in the sum)
+            raise failure or HeteroIOError(
+                "another rank of the process group could not read its gradients for clip_grad_norm_ "
+                "(its error says why); nothing was clipped; expected the call again on every rank")
+        zero = torch.zeros((), device=state.cfg.device)
+        found = rep.sum(torch.stack([per_param.get(id(p), zero).float() for p in params] + [zero]))
+        has = rep.sum(torch.tensor([float(id(p) in per_param) for p in params] + [0.0])).tolist()
+        per_param = {id(p): found[i] for i, p in enumerate(params) if has[i] > 0}
+    else:
+        per_param = _local_norms(state, chunks, norm_type)
+    norms = [per_param[id(p)] for p in params if id(p) in per_param]
+    if not norms:
+        return torch.tensor(0.0, device=state.cfg.device)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # Not applied here: each chunk's gradient is scaled where it is next read (the optimizer's
+    # kernel, an accumulation into it, the next clip), one fp32 multiply as torch's in-place
+    # scaling makes. So clipping writes nothing (but a pending scale, above): a failed read
+    # leaves every gradient as it was, and no grad block moves twice.
+    for chunk in chunks:
+        chunk.grad_scale = coef if chunk.grad_scale is None else chunk.grad_scale * coef
+    return total
+
+
+def _local_norms(state: "HeteroState", chunks: list["Chunk"], norm_type: float) -> dict[int, torch.Tensor]:
+    """Each gradient's norm in ``chunks`` (those holding gradients on this rank), by id(param)."""
+    rt = state.runtime
+    per_param: dict[int, torch.Tensor] = {}
     for chunk in chunks:
         block = chunk.blocks[GRAD]
         tier = rt.working_tier(block)
@@ -51,21 +86,4 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
                     per_param[id(s.param)] = torch.linalg.vector_norm(g, norm_type).to(state.cfg.device)
         finally:
             rt.release([block], tier)
-    rep = state.replicas
-    if rep is not None and rep.sharded:  # each parameter's gradient is on its chunk's owner
-        zero = torch.zeros((), device=state.cfg.device)
-        found = rep.sum(torch.stack([per_param.get(id(p), zero).float() for p in params] + [zero]))
-        has = rep.sum(torch.tensor([float(id(p) in per_param) for p in params] + [0.0], device=zero.device))
-        per_param = {id(p): found[i] for i, p in enumerate(params) if has[i] > 0}
-    norms = [per_param[id(p)] for p in params if id(p) in per_param]
-    if not norms:
-        return torch.tensor(0.0, device=state.cfg.device)
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    # Not applied here: each chunk's gradient is scaled where it is next read (the optimizer's
-    # kernel, an accumulation into it, the next clip), one fp32 multiply as torch's in-place
-    # scaling makes. So clipping writes nothing (but a pending scale, above): a failed read
-    # leaves every gradient as it was, and no grad block moves twice.
-    for chunk in chunks:
-        chunk.grad_scale = coef if chunk.grad_scale is None else chunk.grad_scale * coef
-    return total
+    return per_param

@@ -14,9 +14,15 @@ skipping a step with inf/NaN gradients, ``unscale_`` before clipping, state dict
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
 
 from ..chunks import GRAD
+from ..errors import HeteroIOError, HeteroOOMError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..wrap import HeteroState
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -38,38 +44,56 @@ class GradScaler(torch.amp.GradScaler):
         ours = {id(p) for g in optimizer.param_groups for p in g["params"]}
         state.adopt_grads(p for g in optimizer.param_groups for p in g["params"])
         state.reduce_gradients()  # (inf/NaN on any rank is then on every rank: all skip the step)
-        rt = state.runtime
-        bad = torch.zeros((), dtype=torch.bool)
-        scale = inv_scale.to(torch.float32)
-        for chunk in state.chunks:
-            slots = [s for s in chunk.slots if s.has_grad and id(s.param) in ours]
-            if not slots or GRAD not in chunk.blocks or not chunk.blocks[GRAD].tiers:
-                continue
-            # A chunk holding another optimizer's gradients too (torch's recipe for several
-            # optimizers: scaler.step(a); scaler.step(b)) is unscaled now, in place, for this
-            # optimizer's parameters only; else the unscale is pending, for the whole chunk.
-            mixed = any(s.has_grad and id(s.param) not in ours for s in chunk.slots)
-            block = chunk.blocks[GRAD]
-            tier = rt.working_tier(block)
-            rt.acquire([block], tier, write=mixed, record=False)
+        rep = state.replicas
+        if rep is None or not rep.sharded:
+            bad = _check_and_unscale(state, ours, inv_scale)
+        else:  # each rank checks its own chunks; all raise if one cannot, else all see any inf
+            failure: Optional[BaseException] = None
             try:
-                flat = rt.data(block, tier)
-                for s in slots:
-                    bad |= ~torch.isfinite(s.slice(flat)).all().cpu()
-                    if mixed:
-                        with torch.no_grad():
-                            s.slice(flat).mul_(scale.to(flat.device))
-            finally:
-                rt.release([block], tier)
-            if not mixed:
-                chunk.grad_scale = scale if chunk.grad_scale is None else chunk.grad_scale * scale
-        if state.replicas is not None and state.replicas.sharded:  # (each rank saw its own chunks)
-            bad = state.replicas.sum(bad.to(torch.int64)) > 0
+                bad = _check_and_unscale(state, ours, inv_scale)
+            except (HeteroIOError, HeteroOOMError) as exc:
+                failure = exc
+            if not rep.agree(failure is None):
+                raise failure or HeteroIOError(
+                    "another rank of the process group could not read its gradients for the "
+                    "scaler's unscale (its error says why); expected unscale_/step again on every rank")
+            bad = rep.sum(bad.to(torch.int64)) > 0
         found_inf += bad.to(found_inf.device, found_inf.dtype)
         return {found_inf.device: found_inf}
 
     def __repr__(self) -> str:
         return f"hetero.optim.GradScaler(scale={self.get_scale()})"
+
+
+def _check_and_unscale(state: "HeteroState", ours: set[int], inv_scale: torch.Tensor) -> torch.Tensor:
+    """Whether any of this optimizer's gradients (ids ``ours``) on this rank is inf/NaN; unscales
+    mixed chunks in place and leaves the others' unscale pending (see the module docstring)."""
+    rt = state.runtime
+    bad = torch.zeros((), dtype=torch.bool)
+    scale = inv_scale.to(torch.float32)
+    for chunk in state.chunks:
+        slots = [s for s in chunk.slots if s.has_grad and id(s.param) in ours]
+        if not slots or GRAD not in chunk.blocks or not chunk.blocks[GRAD].tiers:
+            continue
+        # A chunk holding another optimizer's gradients too (torch's recipe for several
+        # optimizers: scaler.step(a); scaler.step(b)) is unscaled now, in place, for this
+        # optimizer's parameters only; else the unscale is pending, for the whole chunk.
+        mixed = any(s.has_grad and id(s.param) not in ours for s in chunk.slots)
+        block = chunk.blocks[GRAD]
+        tier = rt.working_tier(block)
+        rt.acquire([block], tier, write=mixed, record=False)
+        try:
+            flat = rt.data(block, tier)
+            for s in slots:
+                bad |= ~torch.isfinite(s.slice(flat)).all().cpu()
+                if mixed:
+                    with torch.no_grad():
+                        s.slice(flat).mul_(scale.to(flat.device))
+        finally:
+            rt.release([block], tier)
+        if not mixed:
+            chunk.grad_scale = scale if chunk.grad_scale is None else chunk.grad_scale * scale
+    return bad
 
 
 __all__ = ["GradScaler"]
