@@ -321,6 +321,61 @@ def _case_failed_sharing(rank: int, where: Path) -> None:
     wrapped.close()
 
 
+def _case_failures_before_collectives(rank: int, where: Path) -> None:
+    """Sharded, a failure on rank 1 alone raises on every rank instead of leaving rank 0 in a
+    collective: in the update (a write-back's drain), where step() again on every rank completes
+    the step with no rank updating twice; in clip_grad_norm_'s gradient reads; and in wrap,
+    making the runtime (the swap files). Training then goes on as DDP's."""
+    from hetero import runtime as runtime_mod
+
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
+    ddp = DDP(eager)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    rt = wrapped._hetero_state.runtime
+    drain, acquire, armed = rt.drain, rt.acquire, {"drain": False, "acquire": False}
+
+    def failing_drain(*args, **kwargs):
+        if armed["drain"] and kwargs.get("stall"):
+            armed["drain"] = False
+            raise hetero.HeteroIOError("injected: write-back failed")
+        return drain(*args, **kwargs)
+
+    def failing_acquire(blocks, *args, **kwargs):
+        if armed["acquire"] and blocks[0].kind == "grad":
+            armed["acquire"] = False
+            raise hetero.HeteroIOError("injected: gradient read failed")
+        return acquire(blocks, *args, **kwargs)
+
+    rt.drain, rt.acquire = failing_drain, failing_acquire
+    for step, (x, y) in enumerate(batches(3, seed=100 + rank)):
+        loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+        if step == 1:
+            armed["acquire"] = rank == 1
+            with pytest.raises(hetero.HeteroIOError, match="injected" if rank == 1 else "another rank"):
+                wrapped.clip_grad_norm_(1e9)
+        torch.testing.assert_close(wrapped.clip_grad_norm_(1e9).cpu(),
+                                   torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e9))
+        eopt.step()
+        if step == 1:
+            armed["drain"] = rank == 1
+            with pytest.raises(hetero.HeteroIOError, match="injected" if rank == 1 else "another rank"):
+                hopt.step()
+        hopt.step()  # (step 1: again, completing it)
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    _assert_same_optimizer(eopt, hopt)
+    wrapped.close()
+    if rank == 1:
+        def no_runtime(*args, **kwargs):
+            raise hetero.HeteroIOError("injected: swap files could not be reserved")
+        runtime_mod.Runtime.for_chunks = no_runtime
+    with pytest.raises((hetero.HeteroIOError, hetero.HeteroConfigError),
+                       match="injected" if rank == 1 else "another rank"):
+        hetero.wrap(seeded_gpt(), **_budgets("device20_host30_nvme", where / "again"))
+
+
 def _case_frozen_on_one_rank(rank: int, where: Path) -> None:
     model = seeded_gpt()
     if rank == 1:
@@ -485,6 +540,7 @@ CASES = {
     "norm_on_rank0_only": _case_norm_on_rank0_only,
     "failed_averaging_on_one_rank": _case_failed_averaging_on_one_rank,
     "failed_sharing": _case_failed_sharing,
+    "failures_before_collectives": _case_failures_before_collectives,
     "frozen_on_one_rank": _case_frozen_on_one_rank,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,
     "fp16_average": _case_fp16_average,
