@@ -109,10 +109,12 @@ class Replicas:
         """Whether this rank updates ``chunk`` (every rank does, replicated)."""
         return not self.sharded or self.owner.get(chunk.index) == self.rank
 
-    def _src(self, chunk: "Chunk") -> int:
+    def owner_rank(self, chunk: "Chunk") -> int:
+        """The global rank of ``chunk``'s owner."""
         return dist.get_global_rank(self.group, self.owner.get(chunk.index, 0))
 
     def check_device(self, device: torch.device) -> None:
+        """Refuse a compute device NCCL cannot reduce on (before anything moves)."""
         if self.on_device and device != self.comm_device:
             raise HeteroConfigError(
                 f"process_group uses the nccl backend, which reduces on this rank's current CUDA device "
@@ -164,16 +166,16 @@ class Replicas:
         if self.sharded and chunk is not None:
             if flat.is_cuda and self.backend == "gloo":  # (gloo's reduce takes CPU tensors only)
                 staged = flat.cpu()
-                dist.reduce(staged, self._src(chunk), dist.ReduceOp.SUM, group=self.group)
+                dist.reduce(staged, self.owner_rank(chunk), dist.ReduceOp.SUM, group=self.group)
                 flat.copy_(staged)
             else:
-                dist.reduce(flat, self._src(chunk), dist.ReduceOp.SUM, group=self.group)
+                dist.reduce(flat, self.owner_rank(chunk), dist.ReduceOp.SUM, group=self.group)
         else:
             dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
 
     def broadcast_from_owner(self, tensor: torch.Tensor, chunk: "Chunk") -> None:
         """Overwrite ``tensor`` with ``chunk``'s owner's, in place."""
-        self._broadcast(tensor, self._src(chunk))
+        self.broadcast_from(tensor, self.owner_rank(chunk))
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks (a new tensor on ``t``'s device)."""
@@ -189,9 +191,11 @@ class Replicas:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Overwrite ``tensor`` with rank 0's (of the group), in place."""
-        self._broadcast(tensor, dist.get_global_rank(self.group, 0))
+        self.broadcast_from(tensor, dist.get_global_rank(self.group, 0))
 
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    def broadcast_from(self, tensor: torch.Tensor, src: int) -> None:
+        """Overwrite ``tensor`` with global rank ``src``'s, in place (staged through the device
+        for NCCL)."""
         if self.on_device and tensor.device.type != "cuda":
             staged = tensor.to(self.comm_device)
             dist.broadcast(staged, src, group=self.group)
@@ -276,7 +280,7 @@ def broadcast_updates(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
     ``chunks`` once shared. The ranks agree before each chunk that all of them hold its blocks:
     if one could not (HeteroIOError, HeteroOOMError), every rank raises (:func:`taken`), and
     ``chunks`` keeps what is left to share."""
-    _share(replicas, runtime, chunks, lambda c: replicas.owns(c), lambda c: replicas._src(c), taken)
+    _share(replicas, runtime, chunks, lambda c: replicas.owns(c), lambda c: replicas.owner_rank(c), taken)
 
 
 def _share(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], mine: Callable[["Chunk"], bool],
@@ -302,7 +306,7 @@ def _share(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], mine: 
             if not replicas.agree(failure is None):
                 raise failed(failure, chunk)
             for block, tier in held:
-                replicas._broadcast(runtime.data(block, tier), src(chunk))
+                replicas.broadcast_from(runtime.data(block, tier), src(chunk))
         finally:
             for block, tier in held:
                 runtime.release([block], tier)
