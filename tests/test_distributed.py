@@ -321,6 +321,39 @@ def _case_failed_sharing(rank: int, where: Path) -> None:
     wrapped.close()
 
 
+def _case_noshard_update_failure(rank: int, where: Path) -> None:
+    """NO_SHARD: an update failing on rank 1 after the averaging raises on both ranks (rank 0's
+    update is done, rank 1's not); step() again on both completes the step, as DDP's."""
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where,
+                                                            sharding_strategy="NO_SHARD"))
+    ddp = DDP(eager)
+    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    rt = wrapped._hetero_state.runtime
+    drain, armed = rt.drain, [False]
+
+    def failing_drain(*args, **kwargs):
+        if armed[0] and kwargs.get("stall"):
+            armed[0] = False
+            raise hetero.HeteroIOError("injected: write-back failed")
+        return drain(*args, **kwargs)
+
+    rt.drain = failing_drain
+    for step, (x, y) in enumerate(batches(3, seed=100 + rank)):
+        loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+        eopt.step()
+        if step == 1:
+            armed[0] = rank == 1
+            with pytest.raises(hetero.HeteroIOError, match="injected" if rank == 1 else "another rank"):
+                hopt.step()
+        hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    _assert_same_optimizer(eopt, hopt)
+    wrapped.close()
+
+
 def _case_failures_before_collectives(rank: int, where: Path) -> None:
     """Sharded, a failure on rank 1 alone raises on every rank instead of leaving rank 0 in a
     collective: in the update (a write-back's drain), where step() again on every rank completes
@@ -541,6 +574,7 @@ CASES = {
     "failed_averaging_on_one_rank": _case_failed_averaging_on_one_rank,
     "failed_sharing": _case_failed_sharing,
     "failures_before_collectives": _case_failures_before_collectives,
+    "noshard_update_failure": _case_noshard_update_failure,
     "frozen_on_one_rank": _case_frozen_on_one_rank,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,
     "fp16_average": _case_fp16_average,

@@ -94,7 +94,9 @@ class Adam(torch.optim.Optimizer):
         self._frozen: list[tuple[torch.Tensor, str]] = []  # parameters of chunks packed frozen
         self._queue = AdamQueue()  # runs deferred host updates, in order, off the GIL
         self._host_fits: dict[tuple[int, int], bool] = {}  # see _host_holds
-        self._sharing = False  # sharded: this optimizer's last step() raised before sharing all
+        # Several ranks: this rank's update of the step is done, the step not yet complete on
+        # every rank (see _ranks_step), as of HeteroState.forward_shares = _done_mark.
+        self._done, self._done_mark = False, 0
         super().__init__(params, defaults)
 
     @property
@@ -319,41 +321,45 @@ class Adam(torch.optim.Optimizer):
             return loss
         t0 = st.runtime.tracker.now()
         try:
-            if st.replicas is not None and st.replicas.sharded:
-                self._sharded_step(st)
+            if st.replicas is not None:
+                self._ranks_step(st)
             else:
                 self._update(st)
         finally:
             st.runtime.tracker.compute("optimizer", "step", t0)
         return loss
 
-    def _sharded_step(self, st: "HeteroState") -> None:
-        """Sharded data parallelism: each rank updates the chunks it owns, the ranks agree that
-        all did, then each chunk's owner broadcasts its parameters (HeteroState.share_updates).
-        A failure anywhere raises on every rank, and step() called again on every rank completes
-        the step: a rank whose update was done (``_sharing``) does not update again."""
+    def _ranks_step(self, st: "HeteroState") -> None:
+        """The step with several ranks: each rank updates its chunks (all of them under NO_SHARD,
+        its own when sharded), the ranks agree that all did, then, sharded, each chunk's owner
+        broadcasts its parameters (HeteroState.share_updates). A failure anywhere raises on every
+        rank, and step() called again on every rank completes the step: a rank whose update
+        was done (``_done``) does not update again. (A forward that finished the sharing ends
+        the step: the next step() is a new one.)"""
         rep = st.replicas
         chunks = self._chunks(owned=False)
+        if self._done and self._done_mark != st.forward_shares:
+            self._done = False
         failure: Optional[BaseException] = None
-        if not (self._sharing and st._unshared):  # (else this rank's update is done already)
+        if not self._done:
             try:
                 self._update(st)
             except (HeteroIOError, HeteroOOMError) as exc:
                 failure = exc
+            else:
+                self._done, self._done_mark = True, st.forward_shares
         if not rep.agree(failure is None):
             if failure is not None:
                 exc = type(failure)(f"{failure}; nothing was updated on this rank; call step() again "
                                     "on every rank to complete the step")
                 exc.__cause__ = failure
                 raise exc
-            self._sharing = True
-            st._unshared.extend(c for c in chunks if c not in st._unshared)
             raise HeteroIOError("another rank of the process group could not update its chunks (its "
                                 "error says why); this rank's are updated; call step() again on every "
                                 "rank to complete the step (this rank does not update twice)")
-        self._sharing = True
-        st.share_updates(chunks)
-        self._sharing = False
+        if rep.sharded:
+            st.share_updates(chunks)
+        self._done = False
 
     def _update(self, st: "HeteroState") -> None:
         """The step proper (see :meth:`step`), timed there for the profiler's trace."""
