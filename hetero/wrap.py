@@ -74,7 +74,7 @@ class HeteroState:
         self.grads_due = False  # a backward outside no_sync() left gradients to average
         self._averaged: set[int] = set()  # chunks an averaging that failed half-way had done
         self._unshared: list[Chunk] = []  # sharded: chunks whose update is still to broadcast
-        self.forward_shares = 0  # forwards that finished a failed step's sharing (Adam._ranks_step)
+        self.forwards = 0  # units' forwards run: one after a failed step ends it (Adam._ranks_step)
         self.policy_start = policy_start  # what a replay starts from (policies.starting_copy)
         # The grad block the backward is accumulating into, kept acquired on the device across
         # consecutive gradients of its chunk (see accumulate_grad).
@@ -86,9 +86,9 @@ class HeteroState:
     @critical
     def pre_forward(self, unit: Unit) -> Call:
         _refuse_transforms()
+        self.forwards += 1
         if self._unshared:
             self.share_updates([])
-            self.forward_shares += 1
         self.check_rest_writes({id(b.chunk): b.chunk for b in unit.param_blocks}.values())
         if torch._C._current_graph_task_id() == -1:  # a real forward
             self.runtime.acquire(unit.param_blocks)

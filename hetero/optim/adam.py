@@ -95,7 +95,7 @@ class Adam(torch.optim.Optimizer):
         self._queue = AdamQueue()  # runs deferred host updates, in order, off the GIL
         self._host_fits: dict[tuple[int, int], bool] = {}  # see _host_holds
         # Several ranks: this rank's update of the step is done, the step not yet complete on
-        # every rank (see _ranks_step), as of HeteroState.forward_shares = _done_mark.
+        # every rank (see _ranks_step), as of HeteroState.forwards = _done_mark.
         self._done, self._done_mark = False, 0
         super().__init__(params, defaults)
 
@@ -334,11 +334,11 @@ class Adam(torch.optim.Optimizer):
         its own when sharded), the ranks agree that all did, then, sharded, each chunk's owner
         broadcasts its parameters (HeteroState.share_updates). A failure anywhere raises on every
         rank, and step() called again on every rank completes the step: a rank whose update
-        was done (``_done``) does not update again. (A forward that finished the sharing ends
-        the step: the next step() is a new one.)"""
+        was done (``_done``) does not update again. (A forward since ends the step, sharing
+        what was left: the next step() is a new one.)"""
         rep = st.replicas
         chunks = self._chunks(owned=False)
-        if self._done and self._done_mark != st.forward_shares:
+        if self._done and self._done_mark != st.forwards:
             self._done = False
         failure: Optional[BaseException] = None
         if not self._done:
@@ -347,7 +347,7 @@ class Adam(torch.optim.Optimizer):
             except (HeteroIOError, HeteroOOMError) as exc:
                 failure = exc
             else:
-                self._done, self._done_mark = True, st.forward_shares
+                self._done, self._done_mark = True, st.forwards
         if not rep.agree(failure is None):
             if failure is not None:
                 exc = type(failure)(f"{failure}; nothing was updated on this rank; call step() again "
