@@ -65,6 +65,15 @@ def _assert_same_optimizer(eopt: torch.optim.Optimizer, hopt: torch.optim.Optimi
             torch.testing.assert_close(got[i][k], want[i][k], msg=lambda m: f"state {i}.{k}: {m}")
 
 
+def _with_ddp(wrap_kwargs: dict) -> tuple:
+    """The tests' GPT eagerly under DDP and through hetero.wrap(**wrap_kwargs), each with AdamW."""
+    eager = seeded_gpt()
+    wrapped = hetero.wrap(copy.deepcopy(eager), **wrap_kwargs)
+    ddp = DDP(eager)
+    return (eager, wrapped, ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2),
+            hetero.optim.AdamW(wrapped.parameters(), lr=1e-2))
+
+
 def _train_both(rank: int, eager: nn.Module, wrapped: hetero.HeteroModule, steps: int, *,
                 micro: int = 1, clip: float | None = None, norm_type: float = 2.0,
                 find_unused: bool = False) -> None:
@@ -224,12 +233,7 @@ def _case_norm_on_rank0_only(rank: int, where: Path) -> None:
     """NO_SHARD: rank 0 alone measures the gradient norm before the step (clip_grad_norm_(inf),
     a common logging idiom under DDP): it averages there, rank 1 in its step; both take DDP's
     step. (Sharded, clip_grad_norm_ is a collective, as FSDP's.)"""
-    eager = seeded_gpt()
-    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where,
-                                                            sharding_strategy="NO_SHARD"))
-    ddp = DDP(eager)
-    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where, sharding_strategy="NO_SHARD"))
     for x, y in batches(3, seed=100 + rank):
         loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
         if rank == 0:
@@ -245,11 +249,7 @@ def _case_failed_averaging_on_one_rank(rank: int, where: Path) -> None:
     """Rank 1 cannot read a gradient block during the averaging (a swap read error): both ranks
     raise HeteroIOError from step() (rank 0 does not wait forever), and retrying the step on both
     resumes the averaging: the result is DDP's."""
-    eager = seeded_gpt()
-    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
-    ddp = DDP(eager)
-    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where))
     rt = wrapped._hetero_state.runtime
     acquire, armed = rt.acquire, [0]
 
@@ -278,11 +278,7 @@ def _case_failed_sharing(rank: int, where: Path) -> None:
     then a parameter block for the broadcast on rank 0) makes step() raise on every rank with
     the step taken. Calling step() again completes it (once: no second update); not calling it,
     the next forward finishes the sharing. Either way training goes on as DDP's."""
-    eager = seeded_gpt()
-    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
-    ddp = DDP(eager)
-    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where))
     rt = wrapped._hetero_state.runtime
     catch_up, acquire, fail = rt.catch_up, rt.acquire, {"catch_up": 0, "acquire": 0}
 
@@ -324,12 +320,7 @@ def _case_failed_sharing(rank: int, where: Path) -> None:
 def _case_noshard_update_failure(rank: int, where: Path) -> None:
     """NO_SHARD: an update failing on rank 1 after the averaging raises on both ranks (rank 0's
     update is done, rank 1's not); step() again on both completes the step, as DDP's."""
-    eager = seeded_gpt()
-    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where,
-                                                            sharding_strategy="NO_SHARD"))
-    ddp = DDP(eager)
-    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where, sharding_strategy="NO_SHARD"))
     rt = wrapped._hetero_state.runtime
     drain, armed = rt.drain, [False]
 
@@ -361,11 +352,7 @@ def _case_failures_before_collectives(rank: int, where: Path) -> None:
     making the runtime (the swap files). Training then goes on as DDP's."""
     from hetero import runtime as runtime_mod
 
-    eager = seeded_gpt()
-    wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device20_host30_nvme", where))
-    ddp = DDP(eager)
-    eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where))
     rt = wrapped._hetero_state.runtime
     drain, acquire, armed = rt.drain, rt.acquire, {"drain": False, "acquire": False}
 
@@ -535,12 +522,8 @@ def _case_backward_after_clip(rank: int, where: Path) -> None:
     """backward, clip (averages), backward again, clip, step: the second averaging adds the new
     gradients' mean to the first's, as DDP (whose all_reduce sums .grad again), sharded too."""
     for strategy in ("SHARD_GRAD_OP", "NO_SHARD"):
-        eager = seeded_gpt()
-        wrapped = hetero.wrap(copy.deepcopy(eager), **_budgets("device25_host", where / strategy,
-                                                                sharding_strategy=strategy))
-        ddp = DDP(eager)
-        eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-        hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        kw = _budgets("device25_host", where / strategy, sharding_strategy=strategy)
+        eager, wrapped, ddp, eopt, hopt = _with_ddp(kw)
         for x, y in batches(2, seed=100 + rank):
             loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
             torch.testing.assert_close(wrapped.clip_grad_norm_(1e9).cpu(),
