@@ -103,6 +103,17 @@ class Chunk:
         # NaN placeholder shown by parameters whose block is off the device (expand: no memory).
         self._poison = torch.full((), math.nan, dtype=dtype, device=device)
 
+    def fold_pending(self, flat: torch.Tensor) -> None:
+        """Before the grad block's data ``flat`` is added to or averaged: apply a pending clip or
+        unscale (``grad_scale``), and turn a sharded owner's mean back into the ranks' sum
+        (``grad_world``)."""
+        if self.grad_scale is not None:
+            flat.mul_(self.grad_scale.to(flat.device))
+            self.grad_scale = None
+        if self.grad_world != 1:
+            flat.mul_(self.grad_world)
+            self.grad_world = 1
+
     @property
     def full_precision(self) -> Block:
         """The block holding the parameters' authoritative values: master if any, else param."""

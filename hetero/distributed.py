@@ -25,7 +25,7 @@ torch.distributed's (gloo on CPUs, NCCL on GPUs).
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ import torch.distributed as dist
 from .chunks import GRAD, MASTER, PARAM
 from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError
 from .tiers import DEVICE
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -158,6 +160,26 @@ class Replicas:
         """Whether every rank is ok (one small collective every rank must reach)."""
         return not self.any([not ok])[0]
 
+    def together(self, work: Callable[[], T], peer: Callable[[], BaseException], *,
+                 own: Callable[[BaseException], BaseException] = lambda exc: exc,
+                 undo: Callable[[], None] = lambda: None) -> T:
+        """Run this rank's ``work`` (its I/O before a collective), then agree that every rank's
+        succeeded: a HeteroIOError or HeteroOOMError on any rank raises on every rank, so none is
+        left waiting in the collective that follows. This rank raises ``own(its error)``, or,
+        where another rank failed, ``peer()`` after ``undo()`` (what ``work`` holds)."""
+        failure: Optional[BaseException] = None
+        result: Any = None
+        try:
+            result = work()
+        except (HeteroIOError, HeteroOOMError) as exc:
+            failure = exc
+        if not self.agree(failure is None):
+            if failure is not None:
+                raise own(failure)
+            undo()
+            raise peer()
+        return result
+
     def average(self, flat: torch.Tensor, chunk: Optional["Chunk"] = None) -> None:
         """Replace ``flat`` with its mean over the ranks, in place (sharded: on ``chunk``'s owner
         only; the others' ``flat`` is garbage after). Floating-point values are divided before
@@ -223,28 +245,17 @@ def average_gradients(replicas: Replicas, runtime: "Runtime", chunks: list["Chun
             continue
         block = chunk.blocks[GRAD]
         tier = DEVICE if replicas.on_device or not block.tiers else runtime.working_tier(block)
-        failure: Optional[BaseException] = None
-        try:
-            runtime.acquire([block], tier, write=True)  # (created zero-filled where this rank has none)
-        except (HeteroIOError, HeteroOOMError) as exc:
-            failure = exc
-        if not replicas.agree(failure is None):
-            if failure is not None:
-                raise failure
-            runtime.release([block], tier)
-            raise HeteroIOError(
+        replicas.together(
+            lambda: runtime.acquire([block], tier, write=True),  # (created zero-filled where this rank has none)
+            lambda: HeteroIOError(
                 f"another rank of the process group could not read its gradients of chunk {chunk.index} "
                 "for averaging (its error says why); nothing was averaged from this chunk on; the "
-                "next optimizer step, clip or unscale on every rank resumes here")
+                "next optimizer step, clip or unscale on every rank resumes here"),
+            undo=lambda: runtime.release([block], tier))
         try:
             with torch.no_grad():
                 flat = runtime.data(block, tier)
-                if chunk.grad_scale is not None:  # a pending clip or unscale: before the sum
-                    flat.mul_(chunk.grad_scale.to(flat.device))
-                    chunk.grad_scale = None
-                if chunk.grad_world != 1:  # (an earlier average this rank owns, then more backward)
-                    flat.mul_(chunk.grad_world)
-                    chunk.grad_world = 1
+                chunk.fold_pending(flat)  # (before the sum)
                 for s, f in zip(chunk.slots, flags):
                     if f and not s.has_grad:
                         s.slice(flat).zero_()
@@ -294,23 +305,28 @@ def _share(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"], mine: 
         sending = mine(chunk)
         blocks = [chunk.full_precision] + ([chunk.blocks[PARAM]] if MASTER in chunk.blocks else [])
         held: list[tuple["Block", str]] = []
-        failure: Optional[BaseException] = None
-        try:
+
+        def hold() -> None:
             for block in blocks:
                 tier = DEVICE if replicas.on_device or not block.tiers else runtime.working_tier(block)
                 runtime.acquire([block], tier, write=not sending, record=False)
                 held.append((block, tier))
-        except (HeteroIOError, HeteroOOMError) as exc:
-            failure = exc
+
         try:
-            if not replicas.agree(failure is None):
-                raise failed(failure, chunk)
+            replicas.together(hold, lambda: failed(None, chunk), own=lambda exc: failed(exc, chunk))
             for block, tier in held:
                 replicas.broadcast_from(runtime.data(block, tier), src(chunk))
         finally:
             for block, tier in held:
                 runtime.release([block], tier)
         chunks.pop(0)
+
+
+def noted(failure: BaseException, note: str) -> BaseException:
+    """``failure`` again (its type, caused by it) with ``note`` on what it means for the ranks."""
+    exc = type(failure)(f"{failure}; {note}")
+    exc.__cause__ = failure
+    return exc
 
 
 def taken(failure: Optional[BaseException], chunk: "Chunk") -> BaseException:
@@ -321,9 +337,7 @@ def taken(failure: Optional[BaseException], chunk: "Chunk") -> BaseException:
              f"the parameters from chunk {chunk.index} on (it does not update twice; else the next "
              "forward on every rank shares them)")
     if failure is not None:
-        exc = type(failure)(f"{failure}; {after}")
-        exc.__cause__ = failure
-        return exc
+        return noted(failure, after)
     return HeteroIOError(f"another rank of the process group could not finish its part of the "
                          f"step (its error says why); {after}")
 
@@ -341,18 +355,16 @@ def gather_states(replicas: Replicas, runtime: "Runtime", chunks: list["Chunk"],
         counts = [int(v) for v in steps.tolist()]
         flats: dict[str, torch.Tensor] = {}
         if any(counts):
-            failure: Optional[BaseException] = None
-            try:
+
+            def read() -> None:
                 for kind in kinds:
                     block = chunk.blocks.get(kind) if mine else None
                     flats[kind] = (runtime.read(block) if block is not None and block.tiers
                                    else torch.zeros(chunk.numel, dtype=chunk.state_dtype))
-            except (HeteroIOError, HeteroOOMError) as exc:
-                failure = exc
-            if not replicas.agree(failure is None):  # (an owner's read failed: all raise)
-                raise failure or HeteroIOError(
-                    f"another rank of the process group could not read its optimizer states of chunk "
-                    f"{chunk.index} (its error says why); expected state_dict() again on every rank")
+
+            replicas.together(read, lambda: HeteroIOError(  # (an owner's read failed: all raise)
+                f"another rank of the process group could not read its optimizer states of chunk "
+                f"{chunk.index} (its error says why); expected state_dict() again on every rank"))
             for flat in flats.values():
                 replicas.broadcast_from_owner(torch.view_as_real(flat) if flat.is_complex() else flat, chunk)
         out[chunk.index] = (counts, flats)

@@ -25,7 +25,7 @@ from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
 from .config import Config, ShardingStrategy, exact_size, format_size, raise_budget_advice
 from .distributed import (Replicas, average_gradients, broadcast_states, broadcast_updates, peer_failed,
                           resolve_group, taken)
-from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError, HeteroStateError
+from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .interrupts import critical, install as install_interrupts
 from .policies import claim, make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
@@ -213,7 +213,7 @@ class HeteroState:
             ref = weakref.ref(self)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "release_grad_pin"))
         with torch.no_grad():
-            _fold_pending(chunk, block.device)
+            chunk.fold_pending(block.device)
             dst = slot.slice(block.device)
             if slot.has_grad:
                 dst.add_(grad)
@@ -243,7 +243,7 @@ class HeteroState:
             self.runtime.acquire([block], DEVICE, write=True)  # (created zero-filled on first use)
             try:
                 with torch.no_grad():
-                    _fold_pending(chunk, block.device)
+                    chunk.fold_pending(block.device)
                     for p, slot in items:
                         slot.slice(block.device).copy_(p.grad)
                         slot.has_grad = True
@@ -287,13 +287,8 @@ class HeteroState:
         rank with the step taken; what is left is shared at the next forward or step()."""
         assert self.replicas is not None
         self._unshared.extend(c for c in chunks if c not in self._unshared)
-        failure: Optional[BaseException] = None
-        try:
-            self.runtime.catch_up()
-        except (HeteroIOError, HeteroOOMError) as exc:
-            failure = exc
-        if not self.replicas.agree(failure is None):
-            raise taken(failure, self._unshared[0])
+        self.replicas.together(self.runtime.catch_up, lambda: taken(None, self._unshared[0]),
+                               own=lambda exc: taken(exc, self._unshared[0]))
         broadcast_updates(self.replicas, self.runtime, self._unshared)
 
     def release_grad_pin(self) -> None:
@@ -653,17 +648,6 @@ def _refuse_transforms() -> None:
             "run; expected loss.backward() or torch.autograd.grad for gradients")
 
 
-def _fold_pending(chunk: Chunk, flat: torch.Tensor) -> None:
-    """Before a gradient is added to ``chunk``'s grad block ``flat``: apply a pending clip or
-    unscale, and turn a sharded owner's mean back into the ranks' sum (see Chunk.grad_world)."""
-    if chunk.grad_scale is not None:
-        flat.mul_(chunk.grad_scale.to(flat.device))
-        chunk.grad_scale = None
-    if chunk.grad_world != 1:
-        flat.mul_(chunk.grad_world)
-        chunk.grad_world = 1
-
-
 def _check_params(module: nn.Module) -> None:
     """Refuse what chunks cannot hold: parameters that are not floating-point or complex
     (chunks are NaN-filled at rest), and sparse gradients (grad blocks are dense)."""
@@ -947,13 +931,7 @@ def wrap(
                 raise peer_failed()
             if sync_module_states:
                 broadcast_states(replicas, runtime, chunks, module)
-                failure: Optional[BaseException] = None
-                try:
-                    runtime.drain()
-                except HeteroIOError as exc:
-                    failure = exc
-                if not replicas.agree(failure is None):
-                    raise failure or peer_failed()
+                replicas.together(runtime.drain, peer_failed)
     except BaseException:
         if not agreed:
             replicas.agree(False)

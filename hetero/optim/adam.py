@@ -35,7 +35,7 @@ import torch
 
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import exact_size, format_size, raise_budget_advice
-from ..distributed import gather_states
+from ..distributed import gather_states, noted
 from ..errors import HeteroConfigError, HeteroIOError, HeteroOOMError, HeteroStateError
 from ..interrupts import critical
 from ..tiers import DEVICE, HOST, NVME
@@ -340,23 +340,18 @@ class Adam(torch.optim.Optimizer):
         chunks = self._chunks(owned=False)
         if self._done and self._done_mark != st.forwards:
             self._done = False
-        failure: Optional[BaseException] = None
-        if not self._done:
-            try:
+
+        def update() -> None:
+            if not self._done:
                 self._update(st)
-            except (HeteroIOError, HeteroOOMError) as exc:
-                failure = exc
-            else:
                 self._done, self._done_mark = True, st.forwards
-        if not rep.agree(failure is None):
-            if failure is not None:
-                exc = type(failure)(f"{failure}; nothing was updated on this rank; call step() again "
-                                    "on every rank to complete the step")
-                exc.__cause__ = failure
-                raise exc
-            raise HeteroIOError("another rank of the process group could not update its chunks (its "
-                                "error says why); this rank's are updated; call step() again on every "
-                                "rank to complete the step (this rank does not update twice)")
+
+        rep.together(update, lambda: HeteroIOError(
+            "another rank of the process group could not update its chunks (its error says why); "
+            "this rank's are updated; call step() again on every rank to complete the step (this "
+            "rank does not update twice)"),
+            own=lambda exc: noted(exc, "nothing was updated on this rank; call step() again on every "
+                                       "rank to complete the step"))
         if rep.sharded:
             st.share_updates(chunks)
         self._done = False

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from ..chunks import GRAD
-from ..errors import HeteroIOError, HeteroOOMError
+from ..errors import HeteroIOError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..chunks import Chunk
@@ -26,15 +26,11 @@ def clip_grad_norm_(state: "HeteroState", params: Iterable[torch.Tensor], max_no
               and any(s.has_grad for s in c.slots)]
     rep = state.replicas
     if rep is not None and rep.sharded:  # each parameter's gradient is on its chunk's owner
-        failure: Optional[BaseException] = None
-        try:
-            per_param = _local_norms(state, chunks, norm_type)
-        except (HeteroIOError, HeteroOOMError) as exc:
-            failure = exc
-        if not rep.agree(failure is None):  # (every rank raises: none waits in the sum)
-            raise failure or HeteroIOError(
+        per_param = rep.together(  # (every rank raises if one cannot read: none waits in the sum)
+            lambda: _local_norms(state, chunks, norm_type),
+            lambda: HeteroIOError(
                 "another rank of the process group could not read its gradients for clip_grad_norm_ "
-                "(its error says why); nothing was clipped; expected the call again on every rank")
+                "(its error says why); nothing was clipped; expected the call again on every rank"))
         zero = torch.zeros((), device=state.cfg.device)
         found = rep.sum(torch.stack([per_param.get(id(p), zero).float() for p in params] + [zero]))
         has = rep.sum(torch.tensor([float(id(p) in per_param) for p in params] + [0.0])).tolist()

@@ -14,12 +14,12 @@ skipping a step with inf/NaN gradients, ``unscale_`` before clipping, state dict
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..chunks import GRAD
-from ..errors import HeteroIOError, HeteroOOMError
+from ..errors import HeteroIOError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..wrap import HeteroState
@@ -48,15 +48,9 @@ class GradScaler(torch.amp.GradScaler):
         if rep is None or not rep.sharded:
             bad = _check_and_unscale(state, ours, inv_scale)
         else:  # each rank checks its own chunks; all raise if one cannot, else all see any inf
-            failure: Optional[BaseException] = None
-            try:
-                bad = _check_and_unscale(state, ours, inv_scale)
-            except (HeteroIOError, HeteroOOMError) as exc:
-                failure = exc
-            if not rep.agree(failure is None):
-                raise failure or HeteroIOError(
-                    "another rank of the process group could not read its gradients for the "
-                    "scaler's unscale (its error says why); expected unscale_/step again on every rank")
+            bad = rep.together(lambda: _check_and_unscale(state, ours, inv_scale), lambda: HeteroIOError(
+                "another rank of the process group could not read its gradients for the "
+                "scaler's unscale (its error says why); expected unscale_/step again on every rank"))
             bad = rep.sum(bad.to(torch.int64)) > 0
         found_inf += bad.to(found_inf.device, found_inf.dtype)
         return {found_inf.device: found_inf}
