@@ -39,7 +39,9 @@ be rolled back (see :mod:`hetero.optim.adam`).
 Decisions come from a pure :class:`~hetero.policies.Policy` (a custom one's answers checked before
 they are acted on: :mod:`hetero.policycheck`); bytes are moved by a storage object
 (:class:`TierStorage` for real, :class:`~hetero.simulator.SimStorage` in the simulator). Every call
-is recorded in the tracker's event log, which the simulator replays.
+is recorded in the tracker's event log, which the simulator replays, and so is every transfer that
+failed, with where the run found it failed (:meth:`Runtime._found_failure`): the only outcome of a
+transfer that changes later decisions.
 """
 
 from __future__ import annotations
@@ -129,6 +131,10 @@ class Runtime:
         self._postpone_seq = itertools.count()
         self._last_at = -1  # when the postponed work that ran (runs) last was postponed
         self._failure: Optional[BaseException] = None  # found by a release, raised by the next pump
+        # Where a failed transfer was found, so that a replay fails it at the same point (see
+        # _found_failure): transfers started per block, and the pumps since the last event.
+        self._copies_of: dict[str, int] = {}
+        self._pumped_at = (0, 0)  # (events recorded, pumps since the last of them)
         self.closed = False  # (close(): nothing may move any more)
         self._pid = os.getpid()  # a forked child has none of this process's I/O threads
 
@@ -461,6 +467,11 @@ class Runtime:
         one a release already undid raises first, with what was issued since maybe still in
         flight: drain again to wait for it); ``stall``: the wait is inside a training step (the
         optimizer's), recorded as stall time where something was still in flight."""
+        self.tracker.event("drain")
+        self._drain(stall)
+
+    def _drain(self, stall: bool = False) -> None:
+        """:meth:`drain`, not recorded: inside a runtime call that is an event of its own."""
         self._pump()  # (a failure a release found raises here)
         while self._ops:
             op = self._ops.first()
@@ -491,7 +502,7 @@ class Runtime:
             log.debug("hetero: closing with %d postponed update(s) not run", len(self._postponed))
             self._postponed.clear()
         try:
-            self.drain()
+            self._drain()
         except HeteroIOError as exc:
             log.warning("hetero: a transfer failed while closing: %s", exc)
         finally:
@@ -793,9 +804,9 @@ class Runtime:
         its blocks instead, so that they stay consistent with each other (new parameters with
         new moments, not old ones)."""
         try:
-            self.drain()
+            self._drain()
         except HeteroIOError:
-            self.drain()  # _recover undid the failure; wait for the rest
+            self._drain()  # _recover undid the failure; wait for the rest
         kept = {b.chunk_id for b in txn.lost}
         for block in txn.created:
             if block.chunk_id not in kept:
@@ -813,7 +824,7 @@ class Runtime:
             self._add_copy(block, tier)
             if block in txn.zero:
                 self._zero.add(block)
-        self.drain()
+        self._drain()
         log.info("hetero: transaction rolled back (%d blocks restored, %d created blocks dropped)",
                  len(txn.shadows), len(txn.created))
 
@@ -1342,15 +1353,18 @@ class Runtime:
                 self.storage.fill(op.block, op.dst, op.dst_loc, op.init)
                 op.init = None
             else:
+                op.nth = self._copies_of[op.block.id] = self._copies_of.get(op.block.id, 0) + 1
                 op.handle = self.storage.copy(op.block, op.src, op.src_loc, op.dst, op.dst_loc)
 
-    def _finish(self, op: Op) -> None:
-        """Wait for a running op and retire it; on failure undo it (and what depended on it)."""
+    def _finish(self, op: Op, polled: bool = False) -> None:
+        """Wait for a running op and retire it; on failure undo it (and what depended on it).
+        ``polled``: a pump found it done (else a wait for it)."""
         if op.handle is not None:
             try:
                 op.handle.wait()
             except HeteroIOError as exc:
                 op.state = "failed"
+                self._found_failure(op, "pump" if polled else "wait")
                 self._recover(op)
                 raise exc
             except BaseException:
@@ -1425,10 +1439,13 @@ class Runtime:
         False (``release``, which autograd hooks and ``finally`` blocks call) by the next pump
         or drain, the call at which it surfaced before the pipeline moved on at releases (an
         assertion, a runtime bug, raises at once)."""
+        events = self.tracker.event_count
+        self._pumped_at = (events, self._pumped_at[1] + 1 if self._pumped_at[0] == events else 1)
         if self._failure is not None:
             if not raising:  # one failure at a time: nothing moves on until it has surfaced
                 return
             failure, self._failure = self._failure, None
+            self.tracker.event("raised")  # (a replay raises it here too: see _found_failure)
             raise failure
         deferred_busy = False  # deferred work mostly runs in order: once one is busy, skip the rest
         for op in self._ops:
@@ -1437,7 +1454,7 @@ class Runtime:
                     continue
                 if op.handle is None or op.handle.done():
                     try:
-                        self._finish(op)
+                        self._finish(op, polled=True)
                     except AssertionError:  # a runtime bug, not a failure of the work
                         raise
                     except Exception as exc:  # undone if it can be
@@ -1470,6 +1487,7 @@ class Runtime:
                         op.handle.wait()
                 except HeteroIOError:
                     op.state = "failed"
+                    self._found_failure(op, "recover")
                     bad.add(op)
                 else:
                     self._finish(op)
@@ -1501,6 +1519,18 @@ class Runtime:
                 self._give_back(block, DEVICE, None, restorable=False)
         log.warning("hetero: a transfer failed; undid %d transfer(s): %s", len(bad),
                     ", ".join(map(repr, sorted(bad, key=lambda o: o.seq))))
+
+    def _found_failure(self, op: Op, site: str) -> None:
+        """Record in the event log where the failure of transfer ``op`` was found, so that a
+        replay (:func:`hetero.simulator.replay`, whose transfers otherwise all succeed) fails the
+        same transfer there and undoes what the run undid. Where is a matter of timing in the
+        run: ``site`` "pump" (a pump found it done; the pump's place is the events recorded and
+        the pumps since the last of them), "wait" (the first wait for it) or "recover" (waited
+        for while another failure was undone). The transfer is named by its block and its place
+        among the block's transfers started, which timing does not change (a block's transfers
+        run in issue order)."""
+        if op.nth:
+            self.tracker.event("failed", op.block.id, op.nth, site, *self._pumped_at)
 
     def _oom_message(self, block: Block, tier: str, why: str) -> str:
         tiers = ", ".join(f"{n}: {exact_size(t.used)} used of {exact_size(t.capacity)} "

@@ -14,13 +14,17 @@ storage, so "what would policy X do under budgets Y" is answered by the code tha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import heapq
+import logging
 import math
-from typing import Any, Iterable, Mapping, Optional, Sequence
+import threading
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .errors import HeteroOOMError
+from .errors import HeteroIOError, HeteroOOMError
 from .policies import Policy, make_policy
 from .runtime import Runtime
 from .tiers import DEVICE, HOST, NVME, SlotPool, swap_alloc, swap_fits, swap_free, swap_take
@@ -56,13 +60,32 @@ class _Done:
         return True
 
 
+class _Failed:
+    """The handle of a transfer the run saw fail (its ``failed`` event): it fails where the run
+    found the failure, the place :meth:`Runtime._found_failure <hetero.runtime.Runtime._found_failure>`
+    recorded. At a pump: it shows done from that pump on (the events the runtime has recorded,
+    then the pumps since the last of them); else never done, and it fails when waited for."""
+
+    def __init__(self, runtime: Runtime, site: str, events: int, pumps: int) -> None:
+        self.runtime, self.site, self.at = runtime, site, (events, pumps)
+
+    def done(self) -> bool:
+        return self.site == "pump" and self.runtime._pumped_at >= self.at
+
+    def wait(self) -> None:
+        raise HeteroIOError(errno.EIO, "a swap transfer that failed in the run being replayed")
+
+
 class SimStorage:
     """Storage that carves slots exactly as :class:`~hetero.tiers.TierStorage` but holds no bytes;
     its transfers finish at once, so the runtime's decisions (which never depend on timing) are
-    those of the run it replays."""
+    those of the run it replays. The transfers the run saw fail (``failures``: (block id, its
+    transfer's place among the block's transfers started) -> a :class:`_Failed` handle) fail."""
 
     def __init__(self, capacities: Mapping[str, int], slot_size: int, host_slots: Optional[int] = None,
                  nvme_files: Optional[Sequence[int]] = None) -> None:
+        self.failures: dict[tuple[str, int], _Failed] = {}
+        self._copies: dict[str, int] = {}
         slots = capacities[HOST] // slot_size
         self.host = SlotPool(max(1, slots if host_slots is None else min(slots, host_slots)), slot_size)
         if nvme_files is None:  # one file of the budget's whole slots (none under one slot)
@@ -125,8 +148,9 @@ class SimStorage:
     def data(self, block: SimBlock, tier: str) -> Any:
         raise RuntimeError("a simulated block has no data")
 
-    def copy(self, block: SimBlock, src: str, src_loc: Any, dst: str, dst_loc: Any) -> _Done:
-        return _Done()
+    def copy(self, block: SimBlock, src: str, src_loc: Any, dst: str, dst_loc: Any) -> "_Done | _Failed":
+        n = self._copies[block.id] = self._copies.get(block.id, 0) + 1
+        return self.failures.get((block.id, n)) or _Done()
 
     def fill(self, block: SimBlock, tier: str, loc: Any, init: Any) -> None:
         pass
@@ -175,8 +199,13 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     as for a name that is not a built-in's, such as a custom policy's in an event log's
     header). With the run's own policy and budgets the result is the run's."""
     files = list(nvme_files) if nvme_files is not None else None
-    rt = Runtime(dict(capacities), slot_size, make_policy(policy),
-                 SimStorage(capacities, slot_size, host_slots, files), prefetch, host_slots, files)
+    events = list(events)
+    storage = SimStorage(capacities, slot_size, host_slots, files)
+    rt = Runtime(dict(capacities), slot_size, make_policy(policy), storage, prefetch, host_slots, files)
+    for op, *args in events:
+        if op == "failed":
+            block_id, nth, site, at_events, at_pumps = args
+            storage.failures[(block_id, nth)] = _Failed(rt, site, at_events, at_pumps)
     blocks: dict[str, SimBlock] = {}
 
     def get(block_id: str) -> SimBlock:
@@ -187,44 +216,77 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
 
     oom = None
     try:
-        for op, *args in events:
-            if op == "create":  # (a zero-filled block homed on NVMe is made without a write)
-                rt.create(get(args[0]), tier=args[3], init=None if args[4:] == [True] else _WRITTEN)
-            elif op == "acquire":
-                ids, tier, write, record = args
-                rt.acquire([get(i) for i in ids], tier, write, record)
-            elif op == "release":
-                ids, tier = args
-                rt.release([get(i) for i in ids], tier)
-            elif op == "discard":
-                rt.discard(get(args[0]))
-            elif op == "end_step":
-                rt.end_step()
-            elif op == "unpin_all":
-                rt.unpin_all()
-            elif op in ("begin", "commit", "rollback"):
-                getattr(rt, op)()
-            elif op == "ensure_shadow":
-                rt.ensure_shadow(get(args[0]), args[1])
-            elif op == "prefetching":
-                rt.set_prefetching(args[0])
-            elif op == "hint":
-                rt.hint([([get(i) for i in ids], tier) for ids, tier in args[0]])
-            elif op == "settle":
-                rt.settle([get(i) for i in args[0]])
-            elif op == "protect":
-                rt.protect([get(i) for i in args[0]], args[1])
-            elif op == "postpone":  # nothing to run: the work's own events follow its catch_up
-                rt.postpone(args[0], _nothing, lambda: ([], DEVICE), args[1])
-            elif op == "catch_up":
-                rt.catch_up(set(args[0]))
-            else:
-                raise ValueError(f"unknown event {op!r} in the event log")
+        with _runtime_logs_off():
+            for op, *args in events:
+                try:
+                    _replay_one(rt, get, op, args)
+                except HeteroIOError:
+                    pass  # a failure the run saw, found where the run found it (the run went on)
     except HeteroOOMError as exc:
         oom = str(exc)
     tr = rt.tracker
     return SimResult(dict(tr.traffic), tr.misses, {n: t.peak for n, t in rt.tiers.items()},
                      tr.prefetch_issued, tr.prefetch_hits, len(tr.accesses), oom, tr.step_traffic)
+
+
+@contextlib.contextmanager
+def _runtime_logs_off() -> Iterator[None]:
+    """Leave out what the runtime logs in this thread meanwhile: the warnings a replay repeats
+    (a failed transfer undone, an update that can no longer be undone) were the run's."""
+    logger, me = logging.getLogger(Runtime.__module__), threading.get_ident()
+
+    def other_threads(record: logging.LogRecord) -> bool:
+        return record.thread != me
+
+    logger.addFilter(other_threads)
+    try:
+        yield
+    finally:
+        logger.removeFilter(other_threads)
+
+
+def _replay_one(rt: Runtime, get: Callable[[str], SimBlock], op: str, args: list) -> None:
+    """Make the runtime call of one event (see :func:`replay`)."""
+    if op == "create":  # (a zero-filled block homed on NVMe is made without a write)
+        rt.create(get(args[0]), tier=args[3], init=None if args[4:] == [True] else _WRITTEN)
+    elif op == "acquire":
+        ids, tier, write, record = args
+        rt.acquire([get(i) for i in ids], tier, write, record)
+    elif op == "release":
+        ids, tier = args
+        rt.release([get(i) for i in ids], tier)
+    elif op == "discard":
+        rt.discard(get(args[0]))
+    elif op == "end_step":
+        rt.end_step()
+    elif op == "unpin_all":
+        rt.unpin_all()
+    elif op in ("begin", "commit", "rollback"):
+        getattr(rt, op)()
+    elif op == "ensure_shadow":
+        rt.ensure_shadow(get(args[0]), args[1])
+    elif op == "prefetching":
+        rt.set_prefetching(args[0])
+    elif op == "hint":
+        rt.hint([([get(i) for i in ids], tier) for ids, tier in args[0]])
+    elif op == "settle":
+        rt.settle([get(i) for i in args[0]])
+    elif op == "protect":
+        rt.protect([get(i) for i in args[0]], args[1])
+    elif op == "postpone":  # nothing to run: the work's own events follow its catch_up
+        rt.postpone(args[0], _nothing, lambda: ([], DEVICE), args[1])
+    elif op == "catch_up":
+        rt.catch_up(set(args[0]))
+    elif op == "drain":
+        rt.drain()
+    elif op == "failed":  # found by a call whose own event the run never recorded (it
+        if any(o.nth == args[1] and o.block.id == args[0] for o in rt._ops):  # raised first)
+            rt._pump()
+    elif op == "raised":  # likewise: the failure a release found, raised by the next call
+        if rt._failure is not None:
+            rt._pump()
+    else:
+        raise ValueError(f"unknown event {op!r} in the event log")
 
 
 def access_log_events(lines: Iterable[Mapping[str, Any]]) -> tuple[list[tuple], dict[str, tuple[str, int]]]:

@@ -98,6 +98,11 @@ class Tracker:
     def event(self, *ev: Any) -> None:
         self.events.append(ev)
 
+    @property
+    def event_count(self) -> int:
+        """Events recorded so far, those dropped by ``keep_steps`` included."""
+        return self._dropped_events + len(self.events)
+
     def access(self, block: str, nbytes: int, tier: str, group: int, write: bool) -> Access:
         a = Access(self.step, self.access_count, block, nbytes, tier, group, write)
         self.access_count += 1

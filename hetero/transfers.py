@@ -59,7 +59,7 @@ class Op:
 
     __slots__ = ("seq", "block", "src", "dst", "src_loc", "dst_loc", "freed_src", "prefetch",
                  "init", "deps", "handle", "state", "start", "restorable", "compute", "reads", "writes",
-                 "shadow", "zero", "freed")
+                 "shadow", "zero", "freed", "nth")
 
     def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
                  dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
@@ -75,6 +75,7 @@ class Op:
         self.shadow: Any = None  # the transaction whose shadow it moves
         self.zero = False
         self.freed = 0
+        self.nth = 0  # a transfer's place among its block's transfers started (see Runtime._start)
         # the memory it reads and writes, fixed at issue (conflicts are judged on these)
         self.reads = () if src is None else regions(block, src, src_loc)
         self.writes = () if dst is None else regions(block, dst, dst_loc)

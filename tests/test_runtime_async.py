@@ -2,8 +2,8 @@
 of failed transfers (``_recover``), transactions and the optimizer step built on them, and the
 simulator's agreement with a real run.
 
-Tests marked ``xfail(strict=True)`` demonstrate bugs found in review (the reason names the cause);
-the others are properties that hold and should keep holding.
+Each is a property that holds and should keep holding; several began as reproductions of bugs
+found in review.
 
 Runtime-level tests drive a :class:`Runtime` directly over real storage (host arena, swap files)
 with small tensor-backed blocks, so every sequence is exact. Model-level tests use the GPT of
@@ -117,7 +117,7 @@ def bounded_drain(rt: R.Runtime, stall: bool = False) -> None:
 
 
 def guard(rt: R.Runtime) -> R.Runtime:
-    rt.drain = lambda stall=False: bounded_drain(rt, stall)  # also used by _rollback and close
+    rt._drain = lambda stall=False: bounded_drain(rt, stall)  # drain's, _rollback's and close's
     return rt
 
 
@@ -638,35 +638,40 @@ def test_failed_optimizer_step_under_host_pressure_changes_nothing(swapdir, faul
         close_model(model)
 
 
-# ------------------------------------------------------------------- bugs: simulator agreement
+# ------------------------------------------------------------------- simulator agreement
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the event log does not record failed transfers: the run undid them (and transferred again "
-    "later) while the replay's transfers all succeed, so from the fault on the simulator no longer "
-    "reproduces the run (record the failure, e.g. the failed op's issue index, and fail it in "
-    "SimStorage)"))
-def test_replay_reproduces_a_run_that_survived_a_failed_transfer(swapdir, faults, monkeypatch) -> None:
-    # (Synchronous steps here; with the default postponed updates a fault breaks the replay
-    # likewise. README, Limitations.)
-    monkeypatch.setenv("HETERO_DEFER_STEP", "0")
+@pytest.mark.parametrize("defer", ["0", "1"], ids=["synchronous", "postponed"])
+@pytest.mark.parametrize("at", [1, 3, 8, 20])
+def test_replay_reproduces_a_run_that_survived_a_failed_transfer(swapdir, faults, monkeypatch, caplog,
+                                                                 defer, at) -> None:
+    """The run undid a failed transfer and transferred again later; the replay fails the same
+    transfer where the run found it failed (the event log records it), so it moves the same
+    bytes, and says nothing of it (the warning was the run's). Before the failure was recorded
+    the replay's transfers all succeeded and it drifted from the fault on."""
+    monkeypatch.setenv("HETERO_DEFER_STEP", defer)
     model = wrap_gpt(swapdir, 0.2, 0.3, "lru")
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
     rt = model._hetero_state.runtime
     try:
-        data = batches(3, seed=1)
+        data = batches(4, seed=1)
         default_step(model, opt, data[0])
         rt.drain()
-        faults.arm(3)  # during the next forward
+        faults.arm(at)  # during the next forward, or (later requests) its backward and step
         with pytest.raises(HeteroIOError):
             default_step(model, opt, data[1])
+            rt.drain()
         opt.zero_grad()
-        default_step(model, opt, data[2])
+        for batch in data[2:]:
+            default_step(model, opt, batch)
         rt.drain()
         rep = model.placement_report()
+        assert any(e[0] == "failed" for e in rep.events)
+        caplog.clear()
         sim = rep.simulate()
         assert sim.oom is None
         assert sim.traffic == rep.as_dict()["traffic"]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     finally:
         close_model(model)
 
@@ -1305,7 +1310,7 @@ def test_a_runtime_bug_a_release_finds_raises_at_once(rig) -> None:
     release."""
     rt, a, n, read = _prefetch_from_nvme(rig, fail=False)
 
-    def buggy(op):
+    def buggy(op, polled=False):
         raise AssertionError("runtime bug")
 
     rt._finish = buggy

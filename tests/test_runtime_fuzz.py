@@ -4,9 +4,9 @@ blocks, read or written, on the device or the host), read, discarded, created ze
 NVMe (never written there: its first fetch is a fill), rolled back or committed, at whatever
 step end or drain, and whatever transfer fails, every copy read holds the block's last written
 value (zeros for one never written), the budgets and slots account exactly for the copies, and
-a fault-free program's event log replays to the same traffic. (Budgets are below what wrap()
-accepts, so a block spanning two slots may find no contiguous run: HeteroOOMError, then
-unpin_all as the wrapper does.) Grew from a review's fuzzer of the zero-filled NVMe blocks."""
+the event log of a program that met no HeteroOOMError replays to the same traffic, failed
+transfers and all. (Budgets are below what wrap() accepts, so a block spanning two slots may
+find no contiguous run: HeteroOOMError, then unpin_all as the wrapper does.) Grew from a review's fuzzer of the zero-filled NVMe blocks."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _run(seed: int, rig, faults: bool) -> None:
             b.chunk_id = b.id.split(".")[0]  # (as the simulator's blocks take it from the id)
     want: dict[str, float] = {}  # last value written per block (absent: zeros)
     before_txn: dict[str, float] = {}  # per block shadowed in the open transaction: its value then
-    failed = False
+    oomed = False  # (a replay stops at its first HeteroOOMError, where the program went on)
 
     def roll_back() -> None:
         txn = rt._txn
@@ -89,14 +89,14 @@ def _run(seed: int, rig, faults: bool) -> None:
                         try:
                             rt.ensure_shadow(b, tier)
                         except HeteroOOMError:
-                            pass
+                            oomed = True
                 shadowed = set(txn.shadows) if txn is not None else set()
                 values = dict(want)
                 try:
                     rt.acquire(chosen, tier, write=write)
                 except HeteroOOMError:
                     rt.unpin_all()
-                    failed = True
+                    oomed = True
                     continue
                 if txn is not None:
                     for b in set(txn.shadows) - shadowed:
@@ -137,11 +137,10 @@ def _run(seed: int, rig, faults: bool) -> None:
                         value = rt.read(b)
                     except HeteroOOMError:
                         rt.unpin_all()
-                        failed = True
+                        oomed = True
                         continue
                     assert torch.all(value == want.get(b.id, 0.0)), f"read {b.id}: {value[:3]}, want {want.get(b.id, 0.0)}"
         except HeteroIOError:
-            failed = True
             rt.unpin_all()
             if rt._txn is not None:
                 try:
@@ -159,7 +158,8 @@ def _run(seed: int, rig, faults: bool) -> None:
     for b in blocks:
         if b.tiers:
             assert torch.all(rt.read(b) == want.get(b.id, 0.0)), b.id
-    if not failed:  # the event log, as saved and loaded (JSON), replays to the same traffic
+    if not oomed:  # the event log, as saved and loaded (JSON), replays to the same traffic (failed
+        # transfers included: the replay fails them where the program found them failed)
         events = [tuple(tuple(x) if isinstance(x, list) else x for x in json.loads(json.dumps(e)))
                   for e in rt.tracker.events]
         sim = replay(events, {b.id: (b.kind, b.nbytes) for b in blocks}, policy,
