@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import statistics
@@ -262,10 +263,21 @@ def train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, data: models.
 
 def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--lr", type=_learning_rate, default=1e-3, help="AdamW learning rate (default 1e-3)")
     _add_placement_args(p)
     p.add_argument("--seed", type=_seed, default=0, help="seed of the model init and the data (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _learning_rate(text: str) -> float:
+    """A learning rate AdamW takes (a finite number >= 0), refused before anything is built."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected a learning rate such as 1e-3") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a learning rate; expected a finite number >= 0, such as 1e-3")
+    return value
 
 
 def _seed(text: str) -> int:

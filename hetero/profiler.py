@@ -10,7 +10,7 @@ from .config import SizeLike, format_size, parse_policy, parse_prefetch, parse_s
 from .errors import HeteroConfigError, HeteroStateError
 from .policies import Policy, report_name, starting_copy
 from .tiers import TIER_ORDER
-from .tracker import Access, Move
+from .tracker import Access, BlockStats, Move
 
 if TYPE_CHECKING:  # pragma: no cover
     from .simulator import SimResult
@@ -28,10 +28,14 @@ class Report:
                  events: list[tuple] = (), catalog: Optional[dict[str, tuple[str, int]]] = None,
                  slot_size: int = 4096, prefetch: int = 0, host_slots: Optional[int] = None,
                  policy: Any = _UNKNOWN, nvme_files: Optional[list[int]] = None,
-                 computes: list[tuple[str, str, float, float]] = (), log_first_step: int = 0) -> None:
+                 computes: list[tuple[str, str, float, float]] = (), log_first_step: int = 0,
+                 minimums: Optional[dict[str, int]] = None) -> None:
         # policy: what a replay starts from (a name, or a copy of the run's instance taken before
         # it ran); None where the instance could not be copied; by default the summary's name.
+        # minimums: the smallest budgets hetero.wrap accepts for the run's model ("device",
+        # "host" without NVMe, "host+nvme" with it), which replays are held to as well.
         self._summary = summary
+        self._minimums = minimums or {}
         self._policy = policy
         self.accesses = accesses
         self.moves = moves
@@ -54,9 +58,15 @@ class Report:
         for a in tr.accesses:  # accesses per completed step (of those the logs hold): a block's heat
             hotness[a.block] = hotness.get(a.block, 0) + 1
         steps = max(tr.step - tr.first_step, 1)
+        none = BlockStats()
+        # Beyond API.md, each block's statistics: the seq of its last access (-1: none yet), and
+        # its reuse distance, the accesses between two uses of it in a row (smoothed as the
+        # hotness policy sees it: half the last distance, half the ones before; None: used once).
         blocks = [{"id": b.id, "kind": b.kind, "bytes": b.nbytes,
                    "tier": rt.top(b) if b.tiers else "none",
-                   "hotness": hotness.get(b.id, 0) / steps} for b in rt.blocks()]
+                   "hotness": hotness.get(b.id, 0) / steps,
+                   "last_access": tr.stats.get(b.id, none).last,
+                   "reuse_distance": tr.stats.get(b.id, none).reuse_ewma} for b in rt.blocks()]
         follow = getattr(rt.policy, "follow", [])
         summary = {
             "policy": report_name(rt.policy),
@@ -76,21 +86,31 @@ class Report:
             "blocks": blocks,
             "misses": tr.misses,
             "prefetch": {"issued": tr.prefetch_issued, "hits": tr.prefetch_hits},
-            # per step, the share of accesses that followed the recorded step (trace policies)
+            # per step, the share of accesses that were the recorded step's next one, in its order
+            # (trace policies; a step in another order scores low even where prefetch still hits)
             "trace_follow": [m / n if n else 1.0 for m, n in follow],
             # the oldest step the logs (access log, trace, plot) hold: 0 unless wrap's log_steps
             "log_first_step": tr.first_step,
         }
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
+        from .wrap import state_minimums  # (wrap builds reports: imported when one is made)
+
         return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
                    list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
-                   state.policy_start, rt.nvme_files, list(tr.computes), tr.first_step)
+                   state.policy_start, rt.nvme_files, list(tr.computes), tr.first_step,
+                   state_minimums(state))
 
     def capacities(self, **budgets: SizeLike) -> dict[str, int]:
         """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced (sizes
         as ``hetero.wrap``'s budgets take them: HeteroConfigError naming the argument otherwise)."""
         caps = {n: t["capacity"] for n, t in self._summary["tiers"].items()}
         caps.update({k: parse_size(v, k) for k, v in budgets.items() if v is not None})
+        for name in ("device", "host"):
+            least = self._minimums.get("host+nvme" if name == "host" and "nvme" in caps else name)
+            if budgets.get(name) is not None and least is not None and caps[name] < least:
+                raise HeteroConfigError(
+                    f"{name}={budgets[name]!r} is below the smallest {name}_budget hetero.wrap accepts "
+                    f"for this model ({least} bytes, {format_size(least)}); expected {name}>={least}")
         return caps
 
     def simulate(self, policy: Any = None, *, device: SizeLike = None, host: SizeLike = None,
@@ -104,15 +124,18 @@ class Report:
         from .simulator import replay
 
         self._check_whole_log()
+        own = policy is None or policy == self._summary["policy"]  # (the run's swap failures replay)
         if policy is None:
             policy = self._start()
         elif isinstance(parse_policy(policy), Policy):
             copied = starting_copy(policy)  # (a replay points the policy at its own blocks)
             policy = policy if copied is None else copied
         caps = self.capacities(device=device, host=host, nvme=nvme)
-        return replay(self.events, self.catalog, policy, caps, self.slot_size,
-                      self.prefetch if prefetch is None else parse_prefetch(prefetch), self.host_slots,
-                      self.nvme_files if nvme is None else None)  # (another budget: one pool)
+        depth = self.prefetch if prefetch is None else parse_prefetch(prefetch)
+        own = own and caps == self.capacities() and depth == self.prefetch
+        return replay(self.events, self.catalog, policy, caps, self.slot_size, depth, self.host_slots,
+                      self.nvme_files if nvme is None else None,  # (another budget: one pool)
+                      failures=own)
 
     def _start(self) -> "str | Policy":
         """What a replay of the run starts from: its policy as the run started (every replay
@@ -235,18 +258,20 @@ class Report:
         suffix); drawn without pyplot, so the program's matplotlib backend is left as it was."""
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(10, 4))
+        fig = Figure(figsize=(11, 4))
         ax = fig.subplots()
+        caps = [t["capacity"] for t in self._summary["tiers"].values()]
+        peak = max([u for _, _, u in self.usage] + [1])
+        top = min(max(caps), peak * 1.5) / 2**20
         for name, tier in self._summary["tiers"].items():
             pts = [(t, u) for t, n, u in self.usage if n == name]
             if pts:
                 xs, ys = zip(*pts)
-                line, = ax.step(xs, [y / 2**20 for y in ys], where="post", label=f"{name} used")
-                ax.axhline(tier["capacity"] / 2**20, color=line.get_color(), ls="--", lw=0.8,
-                           label=f"{name} budget")
-        caps = [t["capacity"] for t in self._summary["tiers"].values()]
-        peak = max([u for _, _, u in self.usage] + [1])
-        top = min(max(caps), peak * 1.5) / 2**20
+                cap = tier["capacity"] / 2**20
+                line, = ax.step(xs, [y / 2**20 for y in ys], where="post",
+                                label=f"{name} used (budget {format_size(tier['capacity'])})")
+                if cap <= top:  # (a budget far above the peak would flatten the curves: not drawn)
+                    ax.axhline(cap, color=line.get_color(), ls="--", lw=0.8, label=f"{name} budget")
         if self.moves:
             ax.plot([m.start for m in self.moves], [0] * len(self.moves), "|", color="k", ms=8,
                     label="moves")
@@ -257,7 +282,7 @@ class Report:
         ax.set_xlabel("seconds")
         ax.set_ylabel("MiB")
         ax.set_title(f"hetero placement ({self._summary['policy']}, {self._summary['steps']} steps)")
-        ax.legend(loc="upper right", fontsize="small")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # (beside the data)
         fig.tight_layout()
         with open(path, "wb") as f:
             fig.savefig(f, format="png", dpi=100)

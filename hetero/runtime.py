@@ -282,6 +282,8 @@ class Runtime:
         self._pump()
         if self._postponed:
             self.catch_up({b.chunk_id for b in blocks})
+            if self._failure is not None:  # found by the work's releases: raised before this acquire
+                self._pump()  # does anything (as in a replay, where the work's calls are its own)
         for block in blocks:
             if not block.tiers:  # first use (or first since a discard): start where it is needed
                 self.create(block, tier=tier)
@@ -531,7 +533,7 @@ class Runtime:
         for b in blocks:
             loc = self.storage.loc(b, tier)
             op = Op(next(self._seq), b, tier, tier if b in writes else None, loc, loc, False, False,
-                    None, self.tracker.now(), compute=True)
+                    None, self.tracker.now(), self.slot_size, compute=True)
             op.handle, op.state = handle, "running"
             self._ops.add(op)
 
@@ -1315,7 +1317,7 @@ class Runtime:
         """Give back the memory at ``loc`` of ``block``'s dropped copy on ``tier``: at once, or
         through a hold op after the unfinished ops that still read or write it. ``restorable``
         False: the copy is dead (a discarded block's), undoing the hold never brings it back."""
-        if self._ops.touch(block, regions(block, tier, loc)):
+        if self._ops.touch(block, regions(block, tier, loc, self.slot_size)):
             op = self._issue(block, tier, None, loc, None, freed_src=True, prefetch=False, zero=zero)
             op.restorable = restorable
         else:
@@ -1326,7 +1328,7 @@ class Runtime:
     def _issue(self, block: Block, src: Optional[str], dst: Optional[str], src_loc: Any, dst_loc: Any,
                freed_src: bool, prefetch: bool, init: Optional[torch.Tensor] = None, zero: bool = False) -> Op:
         op = Op(next(self._seq), block, src, dst, src_loc, dst_loc, freed_src, prefetch, init,
-                self.tracker.now())
+                self.tracker.now(), self.slot_size)
         op.zero = zero
         if freed_src:
             op.freed = self._size_on(src, block)

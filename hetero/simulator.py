@@ -24,7 +24,8 @@ import math
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .errors import HeteroIOError, HeteroOOMError
+from .config import parse_prefetch, parse_size
+from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError
 from .policies import Policy, make_policy
 from .runtime import Runtime
 from .tiers import DEVICE, HOST, NVME, SlotPool, swap_alloc, swap_fits, swap_free, swap_take
@@ -175,6 +176,9 @@ class SimResult:
     accesses: int
     oom: Optional[str] = None  # the HeteroOOMError message if the budgets could not serve the run
     step_traffic: list[dict[str, int]] = dataclasses.field(default_factory=list)
+    # Why the replay ended before the log did (a swap transfer failed in the run, and the replay
+    # is not the run's own: see :func:`replay`), or None.
+    stopped: Optional[str] = None
 
     @property
     def device_fetch_bytes(self) -> int:
@@ -188,7 +192,7 @@ def _nothing() -> None:
 def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],
            policy: "str | Policy", capacities: Mapping[str, int], slot_size: int,
            prefetch: int = 2, host_slots: Optional[int] = None,
-           nvme_files: Optional[Sequence[int]] = None) -> SimResult:
+           nvme_files: Optional[Sequence[int]] = None, failures: bool = True) -> SimResult:
     """Re-issue ``events`` (a run's ``Report.events``) against a runtime with ``policy`` and
     ``capacities`` ({"device": bytes, "host": bytes, "nvme": bytes}); ``catalog`` maps block
     ids to ``(kind, nbytes)``; ``host_slots`` caps the host arena's slots as the run's model
@@ -197,9 +201,21 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     built-in's name or an instance, used as given (state and all: pass a fresh one; not the
     live policy of an open wrapped model, which the replay would take over: HeteroConfigError,
     as for a name that is not a built-in's, such as a custom policy's in an event log's
-    header). With the run's own policy and budgets the result is the run's."""
+    header). With the run's own policy and budgets the result is the run's, swap transfers that
+    failed in the run included (``failures``: they fail again where the run found them failed).
+    Under another policy or other budgets the transfers are others: with ``failures=False`` the
+    replay ends where the run's first failure was found (``SimResult.stopped`` says so): after
+    it the log holds the run's recovery (a call the failure cut short and made again), which
+    a placement whose transfers all succeeded cannot follow."""
     files = list(nvme_files) if nvme_files is not None else None
     events = list(events)
+    stopped = None
+    if not failures:
+        first = next((i for i, e in enumerate(events) if e[0] == "failed"), None)
+        if first is not None:
+            stopped = (f"the run's swap transfer of block {events[first][1]} failed at event {first} of "
+                       f"{len(events)}; this replay (another policy or other budgets) ends there")
+            events = events[:first]
     storage = SimStorage(capacities, slot_size, host_slots, files)
     rt = Runtime(dict(capacities), slot_size, make_policy(policy), storage, prefetch, host_slots, files)
     for op, *args in events:
@@ -226,7 +242,7 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
         oom = str(exc)
     tr = rt.tracker
     return SimResult(dict(tr.traffic), tr.misses, {n: t.peak for n, t in rt.tiers.items()},
-                     tr.prefetch_issued, tr.prefetch_hits, len(tr.accesses), oom, tr.step_traffic)
+                     tr.prefetch_issued, tr.prefetch_hits, len(tr.accesses), oom, tr.step_traffic, stopped)
 
 
 @contextlib.contextmanager
@@ -322,9 +338,23 @@ def access_log_events(lines: Iterable[Mapping[str, Any]]) -> tuple[list[tuple], 
 
 
 def replay_access_log(lines: Iterable[Mapping[str, Any]], policy: "str | Policy",
-                      capacities: Mapping[str, int], slot_size: int, prefetch: int = 2) -> SimResult:
+                      capacities: Mapping[str, "int | str"], slot_size: "int | str",
+                      prefetch: int = 2) -> SimResult:
+    """:func:`replay` of a public access log (:func:`access_log_events`). ``capacities`` maps
+    "device" and "host" (and "nvme", for an NVMe tier) to sizes as ``hetero.wrap`` takes them
+    (``4096``, ``"512MiB"``); arguments are checked as ``wrap`` checks its own
+    (HeteroConfigError naming the argument)."""
+    if not isinstance(capacities, Mapping) or not {DEVICE, HOST} <= set(capacities) or not set(capacities) <= {
+            DEVICE, HOST, NVME}:
+        raise HeteroConfigError(f"capacities={capacities!r} is not accepted; expected a dict of the tiers' "
+                                "sizes with 'device' and 'host' (and 'nvme' for an NVMe tier), such as "
+                                "{'device': '1MiB', 'host': '4MiB'}")
+    caps = {t: parse_size(v, f"capacities[{t!r}]", allow_none=False) for t, v in capacities.items()}
+    slot = parse_size(slot_size, "slot_size", allow_none=False)
+    if any(v <= 0 for v in caps.values()) or slot <= 0:
+        raise HeteroConfigError(f"capacities={capacities!r}, slot_size={slot_size!r}: expected sizes > 0")
     events, catalog = access_log_events(list(lines))
-    return replay(events, catalog, policy, capacities, slot_size, prefetch)
+    return replay(events, catalog, policy, caps, slot, parse_prefetch(prefetch))
 
 
 def belady_bound(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int]],

@@ -84,7 +84,6 @@ class Tracker:
         self.misses = 0  # recorded acquires whose block was not on the requested tier
         self.prefetch_issued = 0
         self.prefetch_hits = 0
-        self.follow: list[tuple[int, int]] = []  # per step: (acquires matching the recorded step, acquires)
         self.access_count = 0  # accesses recorded so far (the next one's seq)
         # The window (wrap's log_steps): the logs hold steps from first_step on (all: 0).
         self.keep_steps: Optional[int] = None

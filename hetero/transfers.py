@@ -17,19 +17,23 @@ from typing import Any, Iterator, Optional, Protocol
 
 import torch
 
-from .tiers import DEVICE, HOST, NVME, Scattered
+from .tiers import DEVICE, HOST, NVME, Scattered, is_small, slots_for, unit_for
 
-#: host and NVMe copies occupy whole pages (slots are page multiples)
+#: host and NVMe copies occupy whole pages (slots and units are page multiples)
 PAGE = 4096
 
 
-def regions(block: Any, tier: str, loc: Any) -> tuple:
+def regions(block: Any, tier: str, loc: Any, slot_size: int) -> tuple:
     """A block copy's memory as (space, file, start, end) ranges: device memory is per block;
     a host copy is a byte range of the arena, an NVMe copy one of a swap file (or, scattered,
-    one slot of a swap file per range)."""
+    one slot of a swap file per range). A range covers what the copy holds of its pool, whole
+    slots (whole units of a slot shared by small blocks), not only its bytes: the room past
+    them is the copy's too, and a placement there must wait for the copy's transfer out (if that
+    fails, undoing it takes the room back)."""
     if tier == DEVICE:
         return ((DEVICE, id(block), 0, 1),)
-    n = -(-block.nbytes // PAGE) * PAGE
+    grain = unit_for(slot_size) if is_small(block.nbytes, slot_size) else slot_size
+    n = slots_for(block.nbytes, grain) * grain
     if tier == HOST:
         return ((HOST, 0, loc, loc + n),)
     if isinstance(loc, Scattered):
@@ -63,7 +67,7 @@ class Op:
 
     def __init__(self, seq: int, block: Any, src: Optional[str], dst: Optional[str], src_loc: Any,
                  dst_loc: Any, freed_src: bool, prefetch: bool, init: Optional[torch.Tensor],
-                 issued: float, compute: bool = False) -> None:
+                 issued: float, slot_size: int, compute: bool = False) -> None:
         self.seq, self.block, self.src, self.dst, self.init = seq, block, src, dst, init
         self.src_loc, self.dst_loc, self.freed_src, self.prefetch = src_loc, dst_loc, freed_src, prefetch
         self.deps: list[Op] = []
@@ -77,8 +81,8 @@ class Op:
         self.freed = 0
         self.nth = 0  # a transfer's place among its block's transfers started (see Runtime._start)
         # the memory it reads and writes, fixed at issue (conflicts are judged on these)
-        self.reads = () if src is None else regions(block, src, src_loc)
-        self.writes = () if dst is None else regions(block, dst, dst_loc)
+        self.reads = () if src is None else regions(block, src, src_loc, slot_size)
+        self.writes = () if dst is None else regions(block, dst, dst_loc, slot_size)
 
     @property
     def pending(self) -> bool:

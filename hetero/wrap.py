@@ -732,9 +732,17 @@ def _minimum_host_budget(chunk_size: int, nvme: bool, chunks: list[Chunk]) -> in
 def minimum_budgets(module: "HeteroModule", nvme: bool) -> tuple[int, int]:
     """The smallest ``device_budget`` and ``host_budget`` ``hetero.wrap`` accepts for this wrapped
     module's units and chunks, with an NVMe tier or without (the minimums its errors name)."""
-    st = module._hetero_state
+    least = state_minimums(module._hetero_state)
+    return least["device"], least["host+nvme" if nvme else "host"]
+
+
+def state_minimums(st: "HeteroState") -> dict[str, int]:
+    """:func:`minimum_budgets` of a wrapped module's state, both host minimums: "device", "host"
+    (without NVMe) and "host+nvme"."""
     parents = _parents([(u.name, u.module) for u in st.units])
-    return _minimum_device_budget(st.units, parents), _minimum_host_budget(st.cfg.chunk_size, nvme, st.chunks)
+    return {"device": _minimum_device_budget(st.units, parents),
+            "host": _minimum_host_budget(st.cfg.chunk_size, False, st.chunks),
+            "host+nvme": _minimum_host_budget(st.cfg.chunk_size, True, st.chunks)}
 
 
 def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]], chunks: list[Chunk]) -> None:
@@ -747,10 +755,12 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             "smaller chunk_size, or an auto_wrap_policy with smaller units")
     host_min = _minimum_host_budget(cfg.chunk_size, cfg.nvme_path is not None, chunks)
     if cfg.host_budget < host_min:
+        why = ("stages blocks to and from NVMe and runs the optimizer step of a chunk" if cfg.nvme_path is not None
+               else "takes the blocks the device gives up, the largest of them whole")
         raise HeteroConfigError(
             f"host_budget={cfg.host_budget} ({format_size(cfg.host_budget)}) is too small: the host "
-            f"tier stages blocks to and from NVMe and runs the optimizer step of a chunk, which needs "
-            f"{host_min} bytes ({format_size(host_min)}); pass host_budget>={host_min} or a smaller chunk_size")
+            f"tier {why}, which needs {host_min} bytes ({format_size(host_min)}); pass "
+            f"host_budget>={host_min} or a smaller chunk_size")
     # As the optimizer's check (Adam._check_capacity) counts: below the device each block takes
     # whole slots, or units of a shared one, and the budgets hold whole slots.
     sizes = [b.nbytes for c in chunks for b in c.blocks.values()]

@@ -356,6 +356,7 @@ def test_host_budget_minimum_with_a_budgeted_device(device_share, tmp_path):
 def test_host_budget_too_small_without_nvme(tmp_path):
     msg = expect_config_error("host_budget", 100, tmp_path, host_budget=100)
     assert minimum_in(msg) > 100
+    assert "NVMe" not in msg  # (the reason is the device's evictions, not swap staging)
 
 
 # ------------------------------------------------------------------------------ out of memory

@@ -383,13 +383,31 @@ def test_simulate_refuses_what_wrap_refuses(report, kwargs, match) -> None:
 
 
 def test_simulate_and_the_bounds_take_sizes_as_wrap_does(report) -> None:
-    """"64KiB" is what wrap accepts for a budget (it gave TypeError); a negative budget is not
+    """"128KiB" is what wrap accepts for a budget (it gave TypeError); a negative budget is not
     (the bounds computed one)."""
-    assert report.simulate(device="64KiB").traffic == report.simulate(device=64 * 1024).traffic
+    assert report.simulate(device="128KiB").traffic == report.simulate(device=128 * 1024).traffic
     assert report.simulate(host="1MiB", prefetch=0).oom is None
-    assert report.belady_bound(device="64KiB") == report.belady_bound(device=65536)
-    assert report.coresident_bound(device="64KiB") == report.coresident_bound(device=65536)
+    assert report.belady_bound(device="128KiB") == report.belady_bound(device=131072)
+    assert report.coresident_bound(device="128KiB") == report.coresident_bound(device=131072)
     for bound in (report.belady_bound, report.coresident_bound):
         with pytest.raises(HeteroConfigError, match="device=-1"):
             bound(device=-1)
     assert math.isfinite(report.belady_bound())
+
+
+def test_simulate_and_the_bounds_refuse_budgets_below_wrap_s_minimums(report) -> None:
+    """A budget wrap would refuse for this model was replayed anyway (all-zero traffic, only
+    ``oom`` saying why) and bounded; now it is refused the same way, naming the minimum, and
+    the minimum itself is accepted."""
+    least = report._minimums
+    assert least and least["host+nvme"] >= least["host"] > 0
+    with pytest.raises(HeteroConfigError, match=f"device=.*device>={least['device']}"):
+        report.simulate(device=least["device"] - 1)
+    for bound in (report.belady_bound, report.coresident_bound):
+        with pytest.raises(HeteroConfigError, match=f"device>={least['device']}"):
+            bound(device=least["device"] // 2)
+    host = least["host+nvme"] if "nvme" in report.capacities() else least["host"]
+    with pytest.raises(HeteroConfigError, match=f"host>={host}"):
+        report.simulate(host=host - 1)
+    report.simulate(device=least["device"])  # accepted (it may still run out later, as a run may)
+    report.belady_bound(device=least["device"])

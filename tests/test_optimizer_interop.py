@@ -296,6 +296,28 @@ def test_grad_scaler_matches_torch_s_with_skipped_steps(tight: dict, clip: bool)
     assert float(hopt.state_dict()["state"][0]["step"]) == float(eopt.state_dict()["state"][0]["step"]) == 4
 
 
+def test_grad_scaler_s_inf_check_is_in_the_access_log(tight: dict) -> None:
+    """The unscale's inf/NaN check reads every gradient block, wherever it is: compute touching
+    blocks, so one access per block in the log (as clip_grad_norm_'s reads), and the replay
+    still reproduces the run."""
+    _, _, wrapped, hopt = pair(tight)
+    scaler = hetero.optim.GradScaler("cpu")
+    for x, y in batches(2, seed=5):
+        scaler.scale(loss_of(wrapped(x, y))).backward()
+        grads = {c.blocks["grad"].id for c in wrapped._hetero_state.chunks if "grad" in c.blocks
+                 and c.blocks["grad"].tiers}
+        before = len(wrapped.placement_report().accesses)
+        scaler.unscale_(hopt)
+        read = [a.block for a in wrapped.placement_report().accesses[before:]]
+        assert sorted(read) == sorted(grads)
+        scaler.step(hopt)
+        scaler.update()
+        hopt.zero_grad()
+    rep = wrapped.placement_report()
+    assert rep.simulate().traffic == rep.as_dict()["traffic"]
+    wrapped.close()
+
+
 def test_torch_s_grad_scaler_does_not_see_hetero_gradients(tight: dict) -> None:
     """(documented: use hetero.optim.GradScaler)"""
     wrapped = hetero.wrap(seeded_gpt(), **tight)

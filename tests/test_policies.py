@@ -850,6 +850,14 @@ def test_simulator_reproduces_a_real_run(policy, tmp_path) -> None:
     lines = [a.as_dict() for a in rep.accesses]
     approx = replay_access_log(lines, policy, rep.capacities(), rep.slot_size, rep.prefetch)
     assert approx.oom is None and approx.accesses == len(lines)
+    as_text = {t: f"{c}B" for t, c in rep.capacities().items()}  # (sizes as wrap takes them)
+    assert replay_access_log(lines, policy, as_text, str(rep.slot_size), rep.prefetch).traffic == approx.traffic
+    for caps, slot, prefetch, name in [({"device": 1 << 20}, rep.slot_size, 2, "capacities"),
+                                       (rep.capacities(), 0, 2, "slot_size"),
+                                       (dict(rep.capacities(), disk=1), rep.slot_size, 2, "capacities"),
+                                       (rep.capacities(), rep.slot_size, -1, "prefetch")]:
+        with pytest.raises(hetero.HeteroConfigError, match=name):
+            replay_access_log(lines, policy, caps, slot, prefetch)
 
 
 def test_prefetch_keeps_working_when_routing_changes() -> None:
@@ -1016,3 +1024,36 @@ def test_bounds_stay_below_a_run_that_read_state_mid_training(tmp_path, between)
     assert rep.simulate().traffic["host->device"] == run
     assert rep.belady_bound() <= rep.coresident_bound() <= run
     wrapped.close()
+
+
+def test_trace_follow_is_the_share_of_accesses_in_the_recorded_order() -> None:
+    """A step that repeats the recorded one scores 1; one running its units in reverse scores
+    only its accesses that kept their order (the optimizer's): it counted a resynchronization
+    within 16 accesses as following, 1.0 for this reversed step."""
+    from torch import nn
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+            self.reverse = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in (reversed(self.layers) if self.reverse else self.layers):
+                x = torch.tanh(layer(x))
+            return x.pow(2).mean()
+
+    torch.manual_seed(0)
+    net = Stack()
+    model = hetero.wrap(net, device="cpu", device_budget=int(state_bytes(net) * 0.5), chunk_size="4KiB",
+                        policy="auto", auto_wrap_policy={nn.Linear})
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    for reverse in (False, False, False, True, False):
+        net.reverse = reverse
+        model(torch.randn(4, 16)).backward()
+        opt.step()
+        opt.zero_grad()
+    follow = model.placement_report().as_dict()["trace_follow"]
+    assert follow[1] == follow[2] == 1.0
+    assert follow[3] < 0.75  # (its optimizer updates still come in the recorded order)
+    model.close()

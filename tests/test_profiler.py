@@ -54,6 +54,23 @@ def test_as_dict_follows_the_schema(report) -> None:
         assert isinstance(b["tier"], str) and isinstance(b["hotness"], float)
 
 
+def test_each_block_s_recency_and_reuse_distance_come_from_the_access_log(report) -> None:
+    """Per block (beyond API.md): the seq of its last access and the accesses between two of its
+    uses in a row, smoothed (half the last distance, half the earlier ones), from the log."""
+    seqs: dict[str, list[int]] = {}
+    for a in report.accesses:
+        seqs.setdefault(a.block, []).append(a.seq)
+    blocks = report.as_dict()["blocks"]
+    assert any(b["reuse_distance"] is not None for b in blocks)
+    for b in blocks:
+        mine = seqs.get(b["id"], [])
+        assert b["last_access"] == (mine[-1] if mine else -1)
+        smoothed = None
+        for d in (y - x for x, y in zip(mine, mine[1:])):
+            smoothed = d if smoothed is None else 0.5 * smoothed + 0.5 * d
+        assert b["reuse_distance"] == smoothed, b["id"]
+
+
 def test_stall_seconds_is_a_float_before_any_stall() -> None:
     wrapped = hetero.wrap(torch.nn.Linear(4, 4), device="cpu")
     d = wrapped.placement_report().as_dict()
@@ -130,6 +147,22 @@ def test_the_plot_is_a_png_with_the_stalls_marked(report, tmp_path) -> None:
     assert (np.abs(img[..., :3] - red).max(axis=-1) < 0.05).sum() > 50
 
 
+def test_the_plot_draws_only_budgets_within_its_axis_and_names_every_budget(report, tmp_path, monkeypatch) -> None:
+    """The axis ends at 1.5x the peak: a budget far above it (NVMe's, a CPU device's) was a
+    legend entry with no line; every tier's label now says its budget."""
+    from matplotlib.figure import Figure
+
+    drawn = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, f, **kw: drawn.update(fig=fig))
+    report.plot(str(tmp_path / "p.png"))
+    ax = drawn["fig"].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    top = ax.get_ylim()[1]
+    for name, tier in report.as_dict()["tiers"].items():
+        assert any(label.startswith(f"{name} used (budget ") for label in labels), labels
+        assert (f"{name} budget" in labels) == (tier["capacity"] / 2**20 <= top), (name, labels)
+
+
 def test_hetero_profile_writes_report_trace_plot_and_access_log(tmp_path, capsys) -> None:
     out = tmp_path / "prof"
     rc = cli.main(["profile", "--model", "tiny", "--steps", "2", "--batch-size", "2", "--chunk-size", "64KiB",
@@ -180,10 +213,12 @@ def test_profile_refuses_an_output_file_it_could_not_write_before_running(tmp_pa
 
 @pytest.mark.parametrize("argv, option", [(["train", "--seed", str(2 ** 70)], "--seed"),
                                           (["train", "--no-nvme", "--nvme-path", "x"], "--nvme-path"),
-                                          (["plan", "--nvme-path", "x", "--no-nvme"], "--no-nvme")])
+                                          (["plan", "--nvme-path", "x", "--no-nvme"], "--no-nvme"),
+                                          (["profile", "--lr", "-1"], "--lr"), (["train", "--lr", "nan"], "--lr")])
 def test_the_cli_refuses_arguments_argparse_checks(argv, option, capsys) -> None:
-    """A seed torch cannot take (it was a traceback), and --no-nvme with --nvme-path (the path
-    was ignored in silence)."""
+    """A seed torch cannot take (it was a traceback), --no-nvme with --nvme-path (the path was
+    ignored in silence), and a learning rate AdamW refuses (refused only after the model was
+    built, wrapped and its swap files reserved)."""
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2

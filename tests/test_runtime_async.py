@@ -676,6 +676,58 @@ def test_replay_reproduces_a_run_that_survived_a_failed_transfer(swapdir, faults
         close_model(model)
 
 
+def test_replay_reproduces_runs_with_a_fault_in_every_step(swapdir) -> None:
+    """Random faults in every step of runs under several policies (postponed updates: a failure
+    is often found by a release inside the postponed update the next forward's acquire runs,
+    which then raises before doing anything, as the replay's own calls do): the replay matches
+    the run, and replays under another policy, prefetch or budget (whose transfers are others:
+    the run's failures are not replayed there) end at the run's first failure, saying so, instead
+    of raising on the run's recovery from it."""
+    import random
+
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, h: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.b(torch.relu(self.a(x)))
+
+    for trial in range(25):
+        r = random.Random(trial)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 64), *[Block(64) for _ in range(4)], nn.Linear(64, 4))
+        total = state_bytes(net)
+        model = hetero.wrap(net, device="cpu", device_budget=int(total * 0.2), host_budget=int(total * 0.3),
+                            nvme_path=f"{swapdir}/{trial}", chunk_size="32KiB", auto_wrap_policy={Block},
+                            policy=r.choice(["opt", "lru", "hotness"]), prefetch=1)
+        opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        try:
+            for _ in range(6):
+                engine.inject_fault(r.choice(["eio", "short"]), r.randint(0, 12))
+                try:
+                    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+                    opt.step()
+                except HeteroIOError:
+                    pass
+                opt.zero_grad()
+            engine.inject_fault("none")
+            rep = model.placement_report()
+            d, sim = rep.as_dict(), rep.simulate()
+            assert sim.oom is None and (sim.traffic, sim.misses) == (d["traffic"], d["misses"]), trial
+            failed = any(e[0] == "failed" for e in rep.events)
+            policy = "auto" if d["policy"] != "auto" else "lru"
+            for other in [dict(policy=policy), dict(prefetch=0), dict(device=total // 3)]:
+                replayed = rep.simulate(**other)  # (up to the run's first failure)
+                assert (replayed.stopped is not None) == failed, (trial, other)
+        finally:
+            engine.inject_fault("none")
+            model.close()
+
+
 def test_replay_reproduces_a_run_whose_host_budget_exceeds_the_state(swapdir) -> None:
     """The host arena is sized to the model state, below this host budget: the simulator must
     carve the same arena (``Report.host_slots``), or where shadows fill it the run evicts and
@@ -1361,3 +1413,51 @@ def test_replay_reproduces_a_run_with_no_swap_file(tmp_path) -> None:
         sim = rep.simulate()
         assert sim.oom is None and sim.traffic == rep.as_dict()["traffic"], host
         model.close()
+
+
+def test_undoing_an_eviction_takes_back_room_a_larger_block_took_past_its_bytes(swapdir, monkeypatch) -> None:
+    """A small block's host copy shares a slot with others; evicted, it leaves the slot empty, and a
+    block of more than a slot took that slot as the tail of its run, past its last byte. The
+    eviction's write failed: undoing it must take the small block's room back, so the placement
+    in that slot must wait for the eviction (and be undone with it). It did not (transfers
+    conflicted on bytes, not on the slots they hold), and the undo crashed with 'runtime bug:
+    slot in use' out of opt.step() instead of HeteroIOError, leaving a block with no copy (found
+    by a review's fuzzing: bf16, ``static``, synchronous step)."""
+    from torch import nn
+
+    monkeypatch.setenv("HETERO_DEFER_STEP", "0")
+
+    class Block(nn.Module):
+        def __init__(self, h: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 48), *[Block(48) for _ in range(4)], nn.Linear(48, 4))
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    model = hetero.wrap(net, device="cpu", device_budget=72687, host_budget=245604, nvme_path=swapdir,
+                        chunk_size="16KiB", policy="static", prefetch=0, auto_wrap_policy={Block},
+                        mixed_precision=hetero.MixedPrecision(param_dtype=torch.bfloat16))
+    guard(model._hetero_state.runtime)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        engine.inject_fault("short", 9)  # the write-back of a small block to NVMe in the step
+        with pytest.raises(HeteroIOError):
+            loss.backward()
+            opt.step()
+        engine.inject_fault("none")
+        sd, state = snapshot(model, opt)  # the first step failed: nothing moved on
+        assert sd.keys() == initial.keys() and all(torch.equal(sd[k], initial[k]) for k in sd)
+        assert not state
+        opt.zero_grad()
+        model(torch.randn(4, 8)).float().pow(2).mean().backward()
+        opt.step()
+        model._hetero_state.runtime.drain()
+        invariants(model._hetero_state.runtime)
+    finally:
+        engine.inject_fault("none")
+        close_model(model)

@@ -58,7 +58,7 @@ def scripts(draw):
         dst = draw(st.sampled_from([None, "device", "host", "nvme"]))
         freed = src is not None and draw(st.booleans())
         op = Op(seq, block, src, dst, loc(src, draw) if src else None, loc(dst, draw) if dst else None,
-                freed, False, None, 0.0)
+                freed, False, None, 0.0, PAGE)  # (slots of a page: regions are page-rounded bytes)
         op.freed = block.nbytes if freed else 0
         actions.append(("add", op, draw(st.integers(-PAGE, 4 * PAGE))))
     return actions
@@ -85,3 +85,24 @@ def test_conflicts_equal_a_scan_of_every_op_in_flight(actions, unit) -> None:
         index.remove(op)
     assert len(index) == 0 and not index._readers and not index._writers and not index._freeing
     assert not index._freeing_bytes
+
+
+def test_a_copy_s_region_is_the_room_it_holds_not_only_its_bytes() -> None:
+    """A block of more than a slot holds whole slots, a small one whole units of a shared slot:
+    a placement in the tail of a slot a freed copy held, past that copy's last byte, is a
+    conflict (undoing the freeing op takes the room back). Regions of bytes alone let a small
+    block's units in the last slot of a larger block's freed run go unordered."""
+    from hetero.tiers import HOST, NVME, unit_for
+    from hetero.transfers import regions
+
+    slot = 12 * 1024
+    unit = unit_for(slot)
+    large = FakeBlock("large", slot + 20)  # two slots, its bytes end early in the second
+    small = FakeBlock("small", 100)  # shares a slot: one unit
+    (_, _, a, b), = regions(large, HOST, 0, slot)
+    assert (a, b) == (0, 2 * slot)
+    (_, _, a, b), = regions(small, HOST, slot + unit, slot)
+    assert (a, b) == (slot + unit, slot + 2 * unit)
+    assert overlap(regions(large, HOST, 0, slot)[0], regions(small, HOST, 2 * slot - unit, slot)[0])
+    assert overlap(regions(large, NVME, (1, 0), slot)[0], regions(small, NVME, (1, 2 * slot - unit), slot)[0])
+    assert not overlap(regions(large, NVME, (0, 0), slot)[0], regions(small, NVME, (1, slot), slot)[0])

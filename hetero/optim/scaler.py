@@ -75,7 +75,7 @@ def _check_and_unscale(state: "HeteroState", ours: set[int], inv_scale: torch.Te
         mixed = any(s.has_grad and id(s.param) not in ours for s in chunk.slots)
         block = chunk.blocks[GRAD]
         tier = rt.working_tier(block)
-        rt.acquire([block], tier, write=mixed, record=False)
+        rt.acquire([block], tier, write=mixed)  # (compute reading the gradients: an access, as clip's)
         try:
             flat = rt.data(block, tier)
             for s in slots:

@@ -183,7 +183,7 @@ class Timeline:
         self._current_writes: set[int] = set()
         self._groups = 0
         self.pos = 0
-        self.matched = 0
+        self.matched = 0  # accesses this step that were the recording's next one (in order)
         self.seen = 0
         self.streak = 0  # accesses in a row that matched the recording exactly
         self._far: Optional[int] = None  # where the step would be if the last access's far match is right
@@ -237,6 +237,7 @@ class Timeline:
             if self._is(self.pos, b, tier):
                 self._pass(self.pos)
                 self.streak += 1
+                self.matched += 1
             else:
                 self.streak = 0
                 if far is not None and self._is(far, b, tier):
@@ -289,10 +290,11 @@ class Timeline:
             self._hits[b] = self._hits.get(b, 0) + 1
         self.pos = p + 1
         self._high = max(self._high, self.pos)
-        self.matched += 1
 
     def end_step(self) -> tuple[int, int]:
-        """Adopt the step just seen as the recording; returns (matched, seen) of that step."""
+        """Adopt the step just seen as the recording; returns (matched, seen) of that step: its
+        accesses that came in the recorded order (a resynchronization, near or far, is not one),
+        and all of them."""
         result = (self.matched, self.seen)
         for counts in (self._hits, self._misses):
             for b in list(counts):
