@@ -60,8 +60,8 @@ class Report:
         steps = max(tr.step - tr.first_step, 1)
         none = BlockStats()
         # Beyond API.md, each block's statistics: the seq of its last access (-1: none yet), and
-        # its reuse distance, the accesses between two uses of it in a row (smoothed as the
-        # hotness policy sees it: half the last distance, half the ones before; None: used once).
+        # its reuse distance, the difference of seq between two uses of it in a row (smoothed as
+        # the hotness policy sees it: half the last distance, half the ones before; None: used once).
         blocks = [{"id": b.id, "kind": b.kind, "bytes": b.nbytes,
                    "tier": rt.top(b) if b.tiers else "none",
                    "hotness": hotness.get(b.id, 0) / steps,
@@ -105,12 +105,14 @@ class Report:
         as ``hetero.wrap``'s budgets take them: HeteroConfigError naming the argument otherwise)."""
         caps = {n: t["capacity"] for n, t in self._summary["tiers"].items()}
         caps.update({k: parse_size(v, k) for k, v in budgets.items() if v is not None})
-        for name in ("device", "host"):
+        for name in ("device", "host"):  # (the host's minimum is higher with an NVMe tier)
             least = self._minimums.get("host+nvme" if name == "host" and "nvme" in caps else name)
-            if budgets.get(name) is not None and least is not None and caps[name] < least:
+            given = budgets.get(name) is not None or (name == "host" and budgets.get("nvme") is not None)
+            if given and least is not None and caps[name] < least:
                 raise HeteroConfigError(
-                    f"{name}={budgets[name]!r} is below the smallest {name}_budget hetero.wrap accepts "
-                    f"for this model ({least} bytes, {format_size(least)}); expected {name}>={least}")
+                    f"{name}={budgets[name] if budgets.get(name) is not None else caps[name]!r} is below the smallest {name}_budget "
+                    f"hetero.wrap accepts for this model{' with an NVMe tier' if name == 'host' and 'nvme' in caps else ''} "
+                    f"({least} bytes, {format_size(least)}); expected {name}>={least}")
         return caps
 
     def simulate(self, policy: Any = None, *, device: SizeLike = None, host: SizeLike = None,
@@ -133,8 +135,9 @@ class Report:
         caps = self.capacities(device=device, host=host, nvme=nvme)
         depth = self.prefetch if prefetch is None else parse_prefetch(prefetch)
         own = own and caps == self.capacities() and depth == self.prefetch
+        same_nvme = caps.get("nvme") == self.capacities().get("nvme")
         return replay(self.events, self.catalog, policy, caps, self.slot_size, depth, self.host_slots,
-                      self.nvme_files if nvme is None else None,  # (another budget: one pool)
+                      self.nvme_files if same_nvme else None,  # (another budget: one pool)
                       failures=own)
 
     def _start(self) -> "str | Policy":

@@ -132,7 +132,7 @@ class Runtime:
         self._last_at = -1  # when the postponed work that ran (runs) last was postponed
         self._failure: Optional[BaseException] = None  # found by a release, raised by the next pump
         # Where a failed transfer was found, so that a replay fails it at the same point (see
-        # _found_failure): transfers started per block, and the pumps since the last event.
+        # _found_failure): copies issued per block, and the pumps since the last event.
         self._copies_of: dict[str, int] = {}
         self._pumped_at = (0, 0)  # (events recorded, pumps since the last of them)
         self.closed = False  # (close(): nothing may move any more)
@@ -1330,6 +1330,8 @@ class Runtime:
         op = Op(next(self._seq), block, src, dst, src_loc, dst_loc, freed_src, prefetch, init,
                 self.tracker.now(), self.slot_size)
         op.zero = zero
+        if src is not None and dst is not None and not zero:  # a copy: numbered (see _found_failure)
+            op.nth = self._copies_of[block.id] = self._copies_of.get(block.id, 0) + 1
         if freed_src:
             op.freed = self._size_on(src, block)
         # Memory an unfinished eviction gave back is only free once it finished: if it fails,
@@ -1355,8 +1357,7 @@ class Runtime:
                 self.storage.fill(op.block, op.dst, op.dst_loc, op.init)
                 op.init = None
             else:
-                op.nth = self._copies_of[op.block.id] = self._copies_of.get(op.block.id, 0) + 1
-                op.handle = self.storage.copy(op.block, op.src, op.src_loc, op.dst, op.dst_loc)
+                op.handle = self.storage.copy(op.block, op.src, op.src_loc, op.dst, op.dst_loc, op.nth)
 
     def _finish(self, op: Op, polled: bool = False) -> None:
         """Wait for a running op and retire it; on failure undo it (and what depended on it).
@@ -1529,8 +1530,7 @@ class Runtime:
         run: ``site`` "pump" (a pump found it done; the pump's place is the events recorded and
         the pumps since the last of them), "wait" (the first wait for it) or "recover" (waited
         for while another failure was undone). The transfer is named by its block and its place
-        among the block's transfers started, which timing does not change (a block's transfers
-        run in issue order)."""
+        among the block's copies issued: placement decisions, which timing does not change."""
         if op.nth:
             self.tracker.event("failed", op.block.id, op.nth, site, *self._pumped_at)
 

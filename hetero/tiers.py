@@ -727,9 +727,11 @@ class TierStorage:
     def _host(self, offset: int, block) -> torch.Tensor:
         return self.arena.view(offset, block.nbytes)[:block.nbytes].view(block.dtype)
 
-    def copy(self, block, src: str, src_loc, dst: str, dst_loc):
+    def copy(self, block, src: str, src_loc, dst: str, dst_loc, nth: int = 0):
         """Start copying ``block`` from ``src`` at ``src_loc`` to ``dst`` at ``dst_loc``; returns
-        a handle with ``wait()`` (HeteroIOError for a failed swap transfer) and ``done()``."""
+        a handle with ``wait()`` (HeteroIOError for a failed swap transfer) and ``done()``.
+        ``nth``, the copy's place among the block's copies, is for the simulator's storage (which
+        fails the copies a run saw fail); real copies ignore it."""
         if NVME in (src, dst):
             if dst == NVME:
                 return self.swap.write(dst_loc, self.arena.view(src_loc, block.nbytes))

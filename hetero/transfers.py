@@ -79,7 +79,7 @@ class Op:
         self.shadow: Any = None  # the transaction whose shadow it moves
         self.zero = False
         self.freed = 0
-        self.nth = 0  # a transfer's place among its block's transfers started (see Runtime._start)
+        self.nth = 0  # a copy's place among its block's copies issued (see Runtime._found_failure)
         # the memory it reads and writes, fixed at issue (conflicts are judged on these)
         self.reads = () if src is None else regions(block, src, src_loc, slot_size)
         self.writes = () if dst is None else regions(block, dst, dst_loc, slot_size)

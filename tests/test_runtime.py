@@ -483,9 +483,9 @@ class _SlowNvmeWrites:
                     raise HeteroIOError("injected write failure")
 
         class Storage(SimStorage):
-            def copy(self, block, src, src_loc, dst, dst_loc):
+            def copy(self, block, src, src_loc, dst, dst_loc, nth=0):
                 if dst != "nvme":
-                    return super().copy(block, src, src_loc, dst, dst_loc)
+                    return super().copy(block, src, src_loc, dst, dst_loc, nth)
                 outer.writes.append(Write())
                 return outer.writes[-1]
 
@@ -653,10 +653,10 @@ def test_an_undone_hold_of_a_discarded_block_frees_its_device_memory_after_the_o
     disk.storage.release = lambda b, t: live.discard(b.id) if t == "device" else None
     copy = disk.storage.copy
 
-    def checked(b, src, src_loc, dst, dst_loc):
+    def checked(b, src, src_loc, dst, dst_loc, nth=0):
         if "device" in (src, dst) and b.id not in live:
             misuse.append(f"{b.id} {src}->{dst}")
-        return copy(b, src, src_loc, dst, dst_loc)
+        return copy(b, src, src_loc, dst, dst_loc, nth)
 
     disk.storage.copy = checked
     rt._evict(x, "device")  # write-back 1, behind q's NVMe write

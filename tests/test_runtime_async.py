@@ -97,10 +97,10 @@ def failing_sim_storage(block_id: str, src: str, dst: str) -> type:
     """SimStorage whose transfer of ``block_id`` from ``src`` to ``dst`` fails when waited for."""
 
     class Storage(SimStorage):
-        def copy(self, block, src_, src_loc, dst_, dst_loc):
+        def copy(self, block, src_, src_loc, dst_, dst_loc, nth=0):
             if block.id == block_id and (src_, dst_) == (src, dst):
                 return _Failing()
-            return super().copy(block, src_, src_loc, dst_, dst_loc)
+            return super().copy(block, src_, src_loc, dst_, dst_loc, nth)
 
     return Storage
 
@@ -726,6 +726,78 @@ def test_replay_reproduces_runs_with_a_fault_in_every_step(swapdir) -> None:
         finally:
             engine.inject_fault("none")
             model.close()
+
+
+def test_replays_of_faulted_runs_with_every_operation_never_raise(swapdir) -> None:
+    """Faults in every step of runs that also clip, scale, read and load state dicts and drain,
+    under every policy, host budget and prefetch: the run's own replay never raises (it raised
+    AssertionErrors on the run's recovery after parting from it). Where a failed transfer took a
+    transfer queued behind it only for budget room with it (timing: README, Architecture) the
+    replay ends at the first event it does not reproduce, saying so, or (logs that stay the same)
+    moves a few KiB more or less; the others match exactly."""
+    import random
+
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, h: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.b(torch.relu(self.a(x)))
+
+    exact = 0
+    for trial in range(20):
+        r = random.Random(100 + trial)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 64), *[Block(64) for _ in range(4)], nn.Linear(64, 4))
+        total = state_bytes(net)
+        model = hetero.wrap(net, device="cpu", device_budget=int(total * r.choice([0.2, 0.3])),
+                            host_budget=int(total * r.choice([0.3, 0.5])), nvme_path=f"{swapdir}/{trial}",
+                            chunk_size="32KiB", auto_wrap_policy={Block}, prefetch=r.choice([0, 1, 2]),
+                            policy=r.choice(["auto", "opt", "lru", "hotness", "static"]))
+        opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = hetero.optim.GradScaler("cpu")
+        g = torch.Generator().manual_seed(1)
+        try:
+            for _ in range(6):
+                engine.inject_fault(r.choice(["eio", "short"]), r.randint(0, 15))
+                what = r.choice(["plain", "clip", "scaler", "state_dict", "optimizer_state", "drain"])
+                try:
+                    loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+                    if what == "scaler":
+                        scaler.scale(loss).backward()
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        loss.backward()
+                        if what == "clip":
+                            model.clip_grad_norm_(1.0)
+                        opt.step()
+                    if what == "state_dict":
+                        model.load_state_dict(model.state_dict())
+                    elif what == "optimizer_state":
+                        opt.load_state_dict(opt.state_dict())
+                    elif what == "drain":
+                        model._hetero_state.runtime.drain()
+                except HeteroIOError:
+                    pass
+                opt.zero_grad()
+            engine.inject_fault("none")
+            rep = model.placement_report()
+            d, sim = rep.as_dict(), rep.simulate()
+            assert sim.oom is None, trial
+            if (sim.traffic, sim.misses) == (d["traffic"], d["misses"]):
+                exact += 1
+            elif sim.stopped is None:
+                assert abs(sum(sim.traffic.values()) - sum(d["traffic"].values())) < 0.01 * sum(d["traffic"].values())
+            else:
+                assert "parted from the run" in sim.stopped
+        finally:
+            engine.inject_fault("none")
+            model.close()
+    assert exact >= 15, exact
 
 
 def test_replay_reproduces_a_run_whose_host_budget_exceeds_the_state(swapdir) -> None:
