@@ -19,6 +19,7 @@ import math
 import shutil
 import tempfile
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -641,6 +642,40 @@ def test_failed_optimizer_step_under_host_pressure_changes_nothing(swapdir, faul
 # ------------------------------------------------------------------- simulator agreement
 
 
+class Residual(torch.nn.Module):
+    """A residual MLP block: the unit of the fault-replay models below."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(h, 2 * h), torch.nn.Linear(2 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def faulted_steps(model: hetero.HeteroModule, opt: torch.optim.Optimizer, r, after: int,
+                  step: Callable[[torch.Tensor], None]) -> hetero.Report:
+    """Six training steps (``step(loss)`` after the forward), each with a swap fault armed
+    within its first ``after`` requests (``r`` a random.Random); a step that raises
+    HeteroIOError is dropped, as a training loop would. The report, faults cleared."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        engine.inject_fault(r.choice(["eio", "short"]), r.randint(0, after))
+        try:
+            step(model(torch.randn(4, 8, generator=g)).pow(2).mean())
+        except HeteroIOError:
+            pass
+        opt.zero_grad()
+    engine.inject_fault("none")
+    return model.placement_report()
+
+
+def residual_net(h: int) -> torch.nn.Module:
+    """Four Residual blocks of width ``h`` between 8 inputs and 4 outputs (seed 0)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, h), *[Residual(h) for _ in range(4)], torch.nn.Linear(h, 4))
+
+
 @pytest.mark.parametrize("defer", ["0", "1"], ids=["synchronous", "postponed"])
 @pytest.mark.parametrize("at", [1, 3, 8, 20])
 def test_replay_reproduces_a_run_that_survived_a_failed_transfer(swapdir, faults, monkeypatch, caplog,
@@ -685,37 +720,21 @@ def test_replay_reproduces_runs_with_a_fault_in_every_step(swapdir) -> None:
     of raising on the run's recovery from it."""
     import random
 
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self, h: int) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.b(torch.relu(self.a(x)))
-
     for trial in range(25):
         r = random.Random(trial)
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 64), *[Block(64) for _ in range(4)], nn.Linear(64, 4))
+        net = residual_net(64)
         total = state_bytes(net)
         model = hetero.wrap(net, device="cpu", device_budget=int(total * 0.2), host_budget=int(total * 0.3),
-                            nvme_path=f"{swapdir}/{trial}", chunk_size="32KiB", auto_wrap_policy={Block},
+                            nvme_path=f"{swapdir}/{trial}", chunk_size="32KiB", auto_wrap_policy={Residual},
                             policy=r.choice(["opt", "lru", "hotness"]), prefetch=1)
         opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(1)
+
+        def step(loss: torch.Tensor) -> None:
+            loss.backward()
+            opt.step()
+
         try:
-            for _ in range(6):
-                engine.inject_fault(r.choice(["eio", "short"]), r.randint(0, 12))
-                try:
-                    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
-                    opt.step()
-                except HeteroIOError:
-                    pass
-                opt.zero_grad()
-            engine.inject_fault("none")
-            rep = model.placement_report()
+            rep = faulted_steps(model, opt, r, 12, step)
             d, sim = rep.as_dict(), rep.simulate()
             assert sim.oom is None and (sim.traffic, sim.misses) == (d["traffic"], d["misses"]), trial
             failed = any(e[0] == "failed" for e in rep.events)
@@ -737,55 +756,38 @@ def test_replays_of_faulted_runs_with_every_operation_never_raise(swapdir) -> No
     moves a block or two more or less; most match exactly."""
     import random
 
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self, h: int) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.b(torch.relu(self.a(x)))
-
     exact = 0
     for trial in range(20):
         r = random.Random(100 + trial)
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 64), *[Block(64) for _ in range(4)], nn.Linear(64, 4))
+        net = residual_net(64)
         total = state_bytes(net)
         model = hetero.wrap(net, device="cpu", device_budget=int(total * r.choice([0.2, 0.3])),
                             host_budget=int(total * r.choice([0.3, 0.5])), nvme_path=f"{swapdir}/{trial}",
-                            chunk_size="32KiB", auto_wrap_policy={Block}, prefetch=r.choice([0, 1, 2]),
+                            chunk_size="32KiB", auto_wrap_policy={Residual}, prefetch=r.choice([0, 1, 2]),
                             policy=r.choice(["auto", "opt", "lru", "hotness", "static"]))
         opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
         scaler = hetero.optim.GradScaler("cpu")
-        g = torch.Generator().manual_seed(1)
+
+        def step(loss: torch.Tensor) -> None:
+            what = r.choice(["plain", "clip", "scaler", "state_dict", "optimizer_state", "drain"])
+            if what == "scaler":
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                if what == "clip":
+                    model.clip_grad_norm_(1.0)
+                opt.step()
+            if what == "state_dict":
+                model.load_state_dict(model.state_dict())
+            elif what == "optimizer_state":
+                opt.load_state_dict(opt.state_dict())
+            elif what == "drain":
+                model._hetero_state.runtime.drain()
+
         try:
-            for _ in range(6):
-                engine.inject_fault(r.choice(["eio", "short"]), r.randint(0, 15))
-                what = r.choice(["plain", "clip", "scaler", "state_dict", "optimizer_state", "drain"])
-                try:
-                    loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
-                    if what == "scaler":
-                        scaler.scale(loss).backward()
-                        scaler.step(opt)
-                        scaler.update()
-                    else:
-                        loss.backward()
-                        if what == "clip":
-                            model.clip_grad_norm_(1.0)
-                        opt.step()
-                    if what == "state_dict":
-                        model.load_state_dict(model.state_dict())
-                    elif what == "optimizer_state":
-                        opt.load_state_dict(opt.state_dict())
-                    elif what == "drain":
-                        model._hetero_state.runtime.drain()
-                except HeteroIOError:
-                    pass
-                opt.zero_grad()
-            engine.inject_fault("none")
-            rep = model.placement_report()
+            rep = faulted_steps(model, opt, r, 15, step)
             d, sim = rep.as_dict(), rep.simulate()
             assert sim.oom is None, trial
             if (sim.traffic, sim.misses) == (d["traffic"], d["misses"]):
@@ -1493,23 +1495,11 @@ def test_undoing_an_eviction_takes_back_room_a_larger_block_took_past_its_bytes(
     conflicted on bytes, not on the slots they hold), and the undo crashed with 'runtime bug:
     slot in use' out of opt.step() instead of HeteroIOError, leaving a block with no copy (found
     by a review's fuzzing: bf16, ``static``, synchronous step)."""
-    from torch import nn
-
     monkeypatch.setenv("HETERO_DEFER_STEP", "0")
-
-    class Block(nn.Module):
-        def __init__(self, h: int) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.b(torch.relu(self.a(x)))
-
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 48), *[Block(48) for _ in range(4)], nn.Linear(48, 4))
+    net = residual_net(48)
     initial = {k: v.clone() for k, v in net.state_dict().items()}
     model = hetero.wrap(net, device="cpu", device_budget=72687, host_budget=245604, nvme_path=swapdir,
-                        chunk_size="16KiB", policy="static", prefetch=0, auto_wrap_policy={Block},
+                        chunk_size="16KiB", policy="static", prefetch=0, auto_wrap_policy={Residual},
                         mixed_precision=hetero.MixedPrecision(param_dtype=torch.bfloat16))
     guard(model._hetero_state.runtime)
     opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
