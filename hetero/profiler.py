@@ -106,12 +106,14 @@ class Report:
         caps = {n: t["capacity"] for n, t in self._summary["tiers"].items()}
         caps.update({k: parse_size(v, k) for k, v in budgets.items() if v is not None})
         for name in ("device", "host"):  # (the host's minimum is higher with an NVMe tier)
-            least = self._minimums.get("host+nvme" if name == "host" and "nvme" in caps else name)
-            given = budgets.get(name) is not None or (name == "host" and budgets.get("nvme") is not None)
+            nvme = name == "host" and "nvme" in caps
+            least = self._minimums.get("host+nvme" if nvme else name)
+            value = budgets.get(name)
+            given = value is not None or (name == "host" and budgets.get("nvme") is not None)
             if given and least is not None and caps[name] < least:
                 raise HeteroConfigError(
-                    f"{name}={budgets[name] if budgets.get(name) is not None else caps[name]!r} is below the smallest {name}_budget "
-                    f"hetero.wrap accepts for this model{' with an NVMe tier' if name == 'host' and 'nvme' in caps else ''} "
+                    f"{name}={caps[name] if value is None else value!r} is below the smallest "
+                    f"{name}_budget hetero.wrap accepts for this model{' with an NVMe tier' if nvme else ''} "
                     f"({least} bytes, {format_size(least)}); expected {name}>={least}")
         return caps
 

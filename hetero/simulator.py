@@ -174,8 +174,9 @@ class SimResult:
     accesses: int
     oom: Optional[str] = None  # the HeteroOOMError message if the budgets could not serve the run
     step_traffic: list[dict[str, int]] = dataclasses.field(default_factory=list)
-    # Why the replay ended before the log did (a swap transfer failed in the run, and the replay
-    # is not the run's own: see :func:`replay`), or None.
+    # Why the replay ended before the log did (see :func:`replay`): at the run's first swap
+    # failure, for a replay that is not the run's own; where a replay of a faulted run parted
+    # from it. Else None.
     stopped: Optional[str] = None
 
     @property
