@@ -93,12 +93,10 @@ class Report:
             "log_first_step": tr.first_step,
         }
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
-        from .wrap import state_minimums  # (wrap builds reports: imported when one is made)
-
         return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
                    list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
                    state.policy_start, rt.nvme_files, list(tr.computes), tr.first_step,
-                   state_minimums(state))
+                   state.minimums)
 
     def capacities(self, **budgets: SizeLike) -> dict[str, int]:
         """This run's tier capacities, with any of ``device=``, ``host=``, ``nvme=`` replaced (sizes
@@ -134,12 +132,11 @@ class Report:
         elif isinstance(parse_policy(policy), Policy):
             copied = starting_copy(policy)  # (a replay points the policy at its own blocks)
             policy = policy if copied is None else copied
-        caps = self.capacities(device=device, host=host, nvme=nvme)
+        caps, run = self.capacities(device=device, host=host, nvme=nvme), self.capacities()
         depth = self.prefetch if prefetch is None else parse_prefetch(prefetch)
-        own = own and caps == self.capacities() and depth == self.prefetch
-        same_nvme = caps.get("nvme") == self.capacities().get("nvme")
+        own = own and caps == run and depth == self.prefetch
         return replay(self.events, self.catalog, policy, caps, self.slot_size, depth, self.host_slots,
-                      self.nvme_files if same_nvme else None,  # (another budget: one pool)
+                      self.nvme_files if caps.get("nvme") == run.get("nvme") else None,  # (else: one pool)
                       failures=own)
 
     def _start(self) -> "str | Policy":

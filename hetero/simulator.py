@@ -208,19 +208,17 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     a placement whose transfers all succeeded cannot follow."""
     files = list(nvme_files) if nvme_files is not None else None
     events = list(events)
+    failed = [i for i, e in enumerate(events) if e[0] == "failed"]
     stopped = None
-    if not failures:
-        first = next((i for i, e in enumerate(events) if e[0] == "failed"), None)
-        if first is not None:
-            stopped = (f"the run's swap transfer of block {events[first][1]} failed at event {first} of "
-                       f"{len(events)}; this replay (another policy or other budgets) ends there")
-            events = events[:first]
+    if failed and not failures:
+        stopped = (f"the run's swap transfer of block {events[failed[0]][1]} failed at event {failed[0]} "
+                   f"of {len(events)}; this replay (another policy or other budgets) ends there")
+        events, failed = events[:failed[0]], []
     storage = SimStorage(capacities, slot_size, host_slots, files)
     rt = Runtime(dict(capacities), slot_size, make_policy(policy), storage, prefetch, host_slots, files)
-    for op, *args in events:
-        if op == "failed":
-            block_id, nth, site, at_events, at_pumps = args
-            storage.failures[(block_id, nth)] = _Failed(rt, site, at_events, at_pumps)
+    for i in failed:
+        block_id, nth, site, at_events, at_pumps = events[i][1:]
+        storage.failures[(block_id, nth)] = _Failed(rt, site, at_events, at_pumps)
     blocks: dict[str, SimBlock] = {}
 
     def get(block_id: str) -> SimBlock:
@@ -232,7 +230,7 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     # A log with failures replayed as the run: where a failure's undo depended on timing (see
     # README, Architecture) the replay may part from the run; it ends there, saying so, rather
     # than going on from another state (it would raise on the run's recovery, or count wrong).
-    watch = failures and any(e[0] == "failed" for e in events)
+    watch = bool(failed)
     oom = None
     try:
         with _runtime_logs_off():
@@ -331,7 +329,7 @@ def _replay_one(rt: Runtime, get: Callable[[str], SimBlock], op: str, args: list
     elif op == "drain":
         rt.drain()
     elif op == "failed":  # found by a call whose own event the run never recorded (it
-        if any(o.nth == args[1] and o.block.id == args[0] for o in rt._ops):  # raised first)
+        if any(o.nth == args[1] for o in rt._ops.of(get(args[0]))):  # raised first)
             rt._pump()
     elif op == "raised":  # likewise: the failure a release found, raised by the next call
         if rt._failure is not None:

@@ -9,6 +9,7 @@ and the optimizer talk to; :class:`HeteroModule` is what the user holds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import weakref
@@ -290,6 +291,15 @@ class HeteroState:
         self.replicas.together(self.runtime.catch_up, lambda: taken(None, self._unshared[0]),
                                own=lambda exc: taken(exc, self._unshared[0]))
         broadcast_updates(self.replicas, self.runtime, self._unshared)
+
+    @functools.cached_property
+    def minimums(self) -> dict[str, int]:
+        """The smallest budgets ``wrap`` accepts for this model's units and chunks (fixed at
+        ``wrap``): "device", "host" (without NVMe) and "host+nvme"."""
+        parents = _parents([(u.name, u.module) for u in self.units])
+        return {"device": _minimum_device_budget(self.units, parents),
+                "host": _minimum_host_budget(self.cfg.chunk_size, False, self.chunks),
+                "host+nvme": _minimum_host_budget(self.cfg.chunk_size, True, self.chunks)}
 
     def release_grad_pin(self) -> None:
         """Let the grad block being accumulated into go (it may be evicted again)."""
@@ -732,17 +742,8 @@ def _minimum_host_budget(chunk_size: int, nvme: bool, chunks: list[Chunk]) -> in
 def minimum_budgets(module: "HeteroModule", nvme: bool) -> tuple[int, int]:
     """The smallest ``device_budget`` and ``host_budget`` ``hetero.wrap`` accepts for this wrapped
     module's units and chunks, with an NVMe tier or without (the minimums its errors name)."""
-    least = state_minimums(module._hetero_state)
+    least = module._hetero_state.minimums
     return least["device"], least["host+nvme" if nvme else "host"]
-
-
-def state_minimums(st: "HeteroState") -> dict[str, int]:
-    """:func:`minimum_budgets` of a wrapped module's state, both host minimums: "device", "host"
-    (without NVMe) and "host+nvme"."""
-    parents = _parents([(u.name, u.module) for u in st.units])
-    return {"device": _minimum_device_budget(st.units, parents),
-            "host": _minimum_host_budget(st.cfg.chunk_size, False, st.chunks),
-            "host+nvme": _minimum_host_budget(st.cfg.chunk_size, True, st.chunks)}
 
 
 def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]], chunks: list[Chunk]) -> None:
