@@ -8,8 +8,9 @@ Around each call of a unit:
 * forward pre-hook: acquire its param blocks on the device (pinned), prefetch the next units;
 * forward post-hook: release them;
 * the outputs pass through a ``_BackwardHook`` whose backward acquires the blocks again before
-  the unit's backward runs (activation checkpointing re-runs the forward in between, which simply
-  acquires once more, or relies on that backward pin);
+  the unit's backward runs (activation checkpointing re-runs the forward in between, which
+  acquires once more: a recorded access, pinned until the re-run ends, or, where the backward
+  already holds the blocks, released at once);
 * the inputs pass through one whose backward releases them once the unit's backward has produced
   input gradients; a callback at the end of the backward pass releases any call whose inputs
   needed no gradient (the first unit, typically).

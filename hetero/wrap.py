@@ -95,13 +95,16 @@ class HeteroState:
             self.runtime.acquire(unit.param_blocks)
             return Call(unit, forward_pinned=True, forward_start=self.runtime.tracker.now(),
                         versions=_versions(unit.param_blocks))
-        # Activation checkpointing re-runs this forward inside backward. Non-reentrant checkpoint
-        # may stop the re-run early, so the post-forward hook is not guaranteed: rely on the
-        # backward pin when there is one, else pin until this backward pass ends.
+        # Activation checkpointing re-runs this forward inside backward: compute touches the
+        # parameters again, an access of its own. Non-reentrant checkpoint may stop the re-run
+        # early, so the post-forward hook is not guaranteed: rely on the backward pin when there
+        # is one (the acquire only records the access), else pin until this backward pass ends.
         call = Call(unit, recompute=True)
+        self.runtime.acquire(unit.param_blocks)
         if unit.backward_pins == 0:
-            self.runtime.acquire(unit.param_blocks)
             call.forward_pinned = True
+        else:
+            self.runtime.release(unit.param_blocks)
         call.forward_start = self.runtime.tracker.now()
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "_end_recompute", call))

@@ -331,3 +331,52 @@ def test_the_cli_runs_from_another_thread(capsys) -> None:
     t.start()
     t.join()
     assert rc == [0]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("budget", [None, 0.4])
+def test_a_checkpointed_units_recompute_is_an_access(reentrant: bool, budget) -> None:
+    """API.md: the access log holds every time compute touched a block. Activation checkpointing
+    re-runs a unit's forward inside the backward, touching its parameters a third time: per step
+    they are read by the forward, the recompute and the backward, and updated by the optimizer.
+    The recompute went unlogged where the unit's backward already held its blocks (non-reentrant
+    checkpointing, the usual case)."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self, checkpointing: bool) -> None:
+            super().__init__()
+            # (the Linear last: its backward starts, holding its blocks, before the recompute)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Tanh(), nn.Linear(16, 16)) for _ in range(4))
+            self.checkpointing = checkpointing
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.layers[0](x)  # (a reentrant checkpoint needs an input that requires grad)
+            for layer in self.layers[1:]:
+                x = checkpoint(layer, x, use_reentrant=reentrant) if self.checkpointing else layer(x)
+            return x.pow(2).mean()
+
+    counts = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = Net(checkpointing)
+        state = state_bytes(model)
+        kw = {} if budget is None else dict(device_budget=int(state * budget))
+        wrapped = hetero.wrap(model, device="cpu", chunk_size="1KiB", **kw)
+        opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        for x in torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(1)):
+            wrapped(x).backward()
+            opt.step()
+            opt.zero_grad()
+        units = {u.name: [b.id for b in u.param_blocks] for u in wrapped._hetero_state.units}
+        per_step: dict[tuple[int, str], int] = {}
+        for a in wrapped.placement_report().accesses:
+            if a.block.endswith(".param"):
+                per_step[a.step, a.block] = per_step.get((a.step, a.block), 0) + 1
+        wrapped.close()
+        counts.append(per_step)
+    rerun = {b for name, ids in units.items() if name.startswith(("layers.1", "layers.2", "layers.3")) for b in ids}
+    assert rerun and units["layers.0.1"]
+    assert set(counts[0].values()) == {3}  # forward, backward, optimizer
+    assert counts[1] == {k: n + (k[1] in rerun) for k, n in counts[0].items()}
