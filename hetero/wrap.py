@@ -676,22 +676,29 @@ def _check_params(module: nn.Module) -> None:
                 "hetero keeps gradients in dense blocks; expected sparse=False")
 
 
-def _check_ignored_classes(module: nn.Module, given: Any, mp: Any) -> None:
-    """torch's MixedPrecision keeps ``_module_classes_to_ignore`` (BatchNorm by default) in full
-    precision, which hetero does not: such a module with floating buffers left in their own
-    dtype would fail in its first forward (bf16 inputs, fp32 running stats), so say it here."""
-    ignored = tuple(getattr(given, "_module_classes_to_ignore", ()) or ())
+def _check_norm_buffers(module: nn.Module, given: Any, mp: Any) -> None:
+    """Every module computes in ``param_dtype``. A norm layer with running statistics (BatchNorm,
+    InstanceNorm with ``track_running_stats``) computes with its buffers too: left in another
+    dtype (``buffer_dtype`` unset, buffers fp32), its first forward fails with a bare dtype error.
+    FSDP runs torch's ``MixedPrecision._module_classes_to_ignore`` (BatchNorm by default) in full
+    precision instead, which hetero does not; so such a module is refused here, with either
+    MixedPrecision. Modules of the ignored classes count too, whatever they are."""
     if mp is None or mp.param_dtype in (None, torch.float32) or mp.buffer_dtype == mp.param_dtype:
         return
+    ignored = tuple(getattr(given, "_module_classes_to_ignore", ()) or ())
     for name, m in module.named_modules():
-        if ignored and isinstance(m, ignored) and any(b.is_floating_point() for b in m.buffers(recurse=False)):
-            raise HeteroConfigError(
-                f"mixed_precision: module {name!r} ({type(m).__name__}) is of a class in torch's "
-                f"MixedPrecision._module_classes_to_ignore, which FSDP runs in full precision; hetero "
-                f"runs every module in param_dtype={mp.param_dtype}, and its buffers would stay "
-                f"{next(b.dtype for b in m.buffers(recurse=False) if b.is_floating_point())}; expected "
-                f"buffer_dtype={mp.param_dtype} (buffers in the compute dtype) or "
-                "hetero.MixedPrecision with one")
+        if not isinstance(m, (nn.modules.batchnorm._NormBase, *ignored)):
+            continue
+        kept = [b.dtype for b in m.buffers(recurse=False) if b.is_floating_point() and b.dtype != mp.param_dtype]
+        if not kept:
+            continue
+        why = ("is of a class in torch's MixedPrecision._module_classes_to_ignore, which FSDP runs in "
+               "full precision" if ignored and isinstance(m, ignored) else "computes with its running "
+               "statistics")
+        raise HeteroConfigError(
+            f"mixed_precision: module {name!r} ({type(m).__name__}) {why}; hetero runs every module "
+            f"in param_dtype={mp.param_dtype}, and its buffers would stay {kept[0]}, which fails in "
+            f"its first forward; expected buffer_dtype={mp.param_dtype} (buffers in the compute dtype)")
 
 
 def _minimum_device_budget(units: list[Unit], parents: list[Optional[int]]) -> int:
@@ -998,7 +1005,7 @@ def _prepare(module: nn.Module, replicas: Optional[Replicas], sync_module_states
     if replicas is not None:
         replicas.check_device(cfg.device)
     _check_params(module)
-    _check_ignored_classes(module, kwargs["mixed_precision"], cfg.mixed_precision)
+    _check_norm_buffers(module, kwargs["mixed_precision"], cfg.mixed_precision)
     if any(state_of(p) is not None for p in module.parameters()):
         raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
 

@@ -142,6 +142,36 @@ def test_buffers_come_back_in_their_own_dtypes() -> None:
     wrapped.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm, refused", [
+    (lambda: torch.nn.BatchNorm1d(8), True),
+    (lambda: torch.nn.InstanceNorm1d(8, affine=True, track_running_stats=True), True),
+    (lambda: torch.nn.BatchNorm1d(8, affine=False), True),
+    (lambda: torch.nn.BatchNorm1d(8, track_running_stats=False), False),  # no running statistics
+    (lambda: torch.nn.LayerNorm(8), False)],
+    ids=["batchnorm", "instancenorm", "batchnorm_not_affine", "batchnorm_without_stats", "layernorm"])
+def test_a_norm_layer_with_fp32_running_stats_is_refused_up_front(dtype, norm, refused) -> None:
+    """Found in review: with hetero's own MixedPrecision (no classes to ignore) a BatchNorm's
+    fp32 running stats failed the first forward with a bare 'expected scalar type BFloat16 but
+    found Float', in training and in eval; only torch's MixedPrecision was refused up front. With
+    buffer_dtype the compute dtype, or without running statistics, it trains."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), norm(), torch.nn.Linear(8, 1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mp = hetero.MixedPrecision(param_dtype=dtype)
+    if refused:
+        with pytest.raises(hetero.HeteroConfigError, match=rf"module '1' \(\w+Norm1d\).*buffer_dtype={dtype}"):
+            hetero.wrap(model, device="cpu", mixed_precision=mp)
+        assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
+        mp = hetero.MixedPrecision(param_dtype=dtype, buffer_dtype=dtype)
+    wrapped = hetero.wrap(model, device="cpu", mixed_precision=mp)
+    x = torch.randn(4, 8, 8) if isinstance(model[1], torch.nn.InstanceNorm1d) else torch.randn(4, 8)
+    wrapped(x).float().sum().backward()
+    wrapped.eval()
+    with torch.no_grad():
+        assert torch.isfinite(wrapped(x).float()).all()
+    wrapped.close()
+
+
 def test_torch_s_mixed_precision_with_batchnorm_is_refused_up_front():
     """torch's MixedPrecision keeps BatchNorm in fp32 (_module_classes_to_ignore); hetero runs it
     in param_dtype, and with fp32 running stats the first forward failed with a bare
