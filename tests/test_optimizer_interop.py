@@ -436,3 +436,21 @@ def test_optimizer_states_of_complex_parameters_and_empty_entries_load() -> None
     hopt.load_state_dict(copy.deepcopy(hopt.state_dict()))
     hopt.load_state_dict(saved)
     assert 1 not in hopt.state_dict()["state"] and hopt.state_dict()["state"][0]["exp_avg"].is_complex()
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_the_constructors_take_torch_s_arguments(name: str) -> None:
+    """API.md: the same arguments as torch's. Names, order, positional or keyword-only, and
+    defaults match torch's (an unknown keyword to AdamW was reported as Adam's, and
+    ``amsgrad`` could not be passed by position)."""
+    import inspect
+
+    def shape(cls: type) -> tuple[list, dict]:  # positional in order; keyword-only by name
+        params = inspect.signature(cls.__init__).parameters.values()
+        return ([(p.name, p.default) for p in params if p.kind != p.KEYWORD_ONLY],
+                {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY})
+
+    ours, theirs = getattr(hetero.optim, name), getattr(torch.optim, name)
+    assert shape(ours) == shape(theirs)
+    with pytest.raises(TypeError, match=f"{name}.__init__.*'bogus'"):
+        ours([torch.nn.Parameter(torch.zeros(1))], bogus=1)

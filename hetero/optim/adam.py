@@ -68,7 +68,7 @@ class Adam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 *, amsgrad: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
+                 amsgrad: bool = False, *, maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: bool = False) -> None:
         def number(x: Any) -> bool:  # as torch: a real number (numpy's too) or a one-element tensor
@@ -731,8 +731,11 @@ class AdamW(Adam):
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 **kwargs: Any) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, decoupled_weight_decay=True, **kwargs)
+                 amsgrad: bool = False, *, maximize: bool = False, foreach: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad=amsgrad, maximize=maximize,
+                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)
 
 
 class _StateView(collections.abc.Mapping):
