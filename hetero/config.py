@@ -68,6 +68,15 @@ def parse_size(value: SizeLike, name: str, *, allow_none: bool = True) -> Option
     return nbytes
 
 
+#: The CPU "device" tier's default budget: none (it is bounded by the host's RAM)
+UNLIMITED = 1 << 62
+
+
+def format_budget(nbytes: int) -> str:
+    """A budget, human-readable: ``format_size``, or 'unlimited' (:data:`UNLIMITED`)."""
+    return "unlimited" if nbytes >= UNLIMITED else format_size(nbytes)
+
+
 def format_size(nbytes: int) -> str:
     """Human-readable binary size, e.g. ``'1.50 MiB'``."""
     for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
@@ -168,7 +177,7 @@ def local_world_size() -> int:
 
 def _default_device_budget(device: torch.device) -> int:
     if device.type == "cpu":
-        return 1 << 62  # unlimited: the CPU "device" is bounded by the host's RAM, not a budget
+        return UNLIMITED
     free, _total = torch.cuda.mem_get_info(device)
     return int(free * (1 - DEVICE_RESERVE_FRACTION))
 

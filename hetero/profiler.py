@@ -6,7 +6,7 @@ import copy
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from .config import SizeLike, format_size, parse_policy, parse_prefetch, parse_size
+from .config import SizeLike, format_budget, format_size, parse_policy, parse_prefetch, parse_size
 from .errors import HeteroConfigError, HeteroStateError
 from .policies import Policy, report_name, starting_copy
 from .tiers import TIER_ORDER
@@ -199,7 +199,7 @@ class Report:
         for name in TIER_ORDER:
             if name in d["tiers"]:
                 t = d["tiers"][name]
-                lines.append(f"  {name:6s} capacity {format_size(t['capacity']):>11s}  used "
+                lines.append(f"  {name:6s} capacity {format_budget(t['capacity']):>11s}  used "
                              f"{format_size(t['used']):>11s}  peak {format_size(t['peak']):>11s}")
         lines.append("  traffic: " + ", ".join(f"{k} {format_size(v)}" for k, v in d["traffic"].items()))
         by_tier: dict[str, int] = {}
@@ -271,7 +271,7 @@ class Report:
                 xs, ys = zip(*pts)
                 cap = tier["capacity"] / 2**20
                 line, = ax.step(xs, [y / 2**20 for y in ys], where="post",
-                                label=f"{name} used (budget {format_size(tier['capacity'])})")
+                                label=f"{name} used (budget {format_budget(tier['capacity'])})")
                 if cap <= top:  # (a budget far above the peak would flatten the curves: not drawn)
                     ax.axhline(cap, color=line.get_color(), ls="--", lw=0.8, label=f"{name} budget")
         if self.moves:

@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import config as config_mod
 from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
-from .config import Config, ShardingStrategy, exact_size, format_size, raise_budget_advice
+from .config import Config, ShardingStrategy, exact_size, format_budget, format_size, raise_budget_advice
 from .distributed import (Replicas, average_gradients, broadcast_states, broadcast_updates, peer_failed,
                           resolve_group, taken)
 from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
@@ -983,7 +983,7 @@ def wrap(
                 s.param.register_post_accumulate_grad_hook(_grad_hook(ref))
     log.info("hetero.wrap: %d units, %d chunks, %s of parameters; budgets device %s, host %s, nvme %s",
              len(units), len(chunks), format_size(sum(c.blocks[PARAM].nbytes for c in chunks)),
-             format_size(cfg.device_budget), format_size(cfg.host_budget), format_size(cfg.nvme_budget))
+             format_budget(cfg.device_budget), format_size(cfg.host_budget), format_size(cfg.nvme_budget))
     return HeteroModule(module, state)
 
 

@@ -5,6 +5,7 @@ all of them for a bundled model."""
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -380,3 +381,18 @@ def test_a_checkpointed_units_recompute_is_an_access(reentrant: bool, budget) ->
     assert rerun and units["layers.0.1"]
     assert set(counts[0].values()) == {3}  # forward, backward, optimizer
     assert counts[1] == {k: n + (k[1] in rerun) for k, n in counts[0].items()}
+
+
+def test_an_unlimited_budget_reads_as_unlimited() -> None:
+    """Found in review: the CPU device's default budget (none) printed as '4294967296.00 GiB' in
+    the report and the plot's legend."""
+    from torch import nn
+
+    from hetero.config import UNLIMITED
+
+    wrapped = hetero.wrap(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), device="cpu")
+    wrapped(torch.randn(2, 8)).sum().backward()
+    rep = wrapped.placement_report()
+    wrapped.close()
+    assert rep.as_dict()["tiers"]["device"]["capacity"] == UNLIMITED
+    assert re.search(r"device capacity +unlimited ", str(rep)) and "GiB  used" in str(rep)  # (the host's is a size)
