@@ -68,6 +68,18 @@ def parse_size(value: SizeLike, name: str, *, allow_none: bool = True) -> Option
     return nbytes
 
 
+def file_path(method: str, path: Any) -> Any:
+    """``path`` for ``open`` if it names a file (a str or an os.PathLike); else HeteroConfigError.
+    An int would be taken as an open file descriptor, written to and closed: one of the swap
+    files', say, which the engine would go on using under that number for another file."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, (str, bytes)) or not path:
+        raise HeteroConfigError(f"{method}(path={path!r}): expected a file path (a non-empty str or "
+                                "os.PathLike), not an open file or descriptor")
+    return path
+
+
 #: The CPU "device" tier's default budget: none (it is bounded by the host's RAM)
 UNLIMITED = 1 << 62
 

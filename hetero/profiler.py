@@ -6,7 +6,7 @@ import copy
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from .config import SizeLike, format_budget, format_size, parse_policy, parse_prefetch, parse_size
+from .config import SizeLike, file_path, format_budget, format_size, parse_policy, parse_prefetch, parse_size
 from .errors import HeteroConfigError, HeteroStateError
 from .policies import Policy, report_name, starting_copy
 from .tiers import TIER_ORDER
@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 _UNKNOWN = object()  # a Report made without saying what its run's policy started as
+
 
 
 class Report:
@@ -180,6 +181,7 @@ class Report:
         """JSON Lines of every runtime call (create / acquire / release / discard / end_step),
         preceded by one header line with the catalog, slot size and capacities: the input of
         ``hetero.simulator.load_event_log``."""
+        path = file_path("save_event_log", path)
         self._check_whole_log()
         with open(path, "w") as f:
             f.write(json.dumps({"catalog": self.catalog, "slot_size": self.slot_size,
@@ -210,7 +212,7 @@ class Report:
 
     def save_access_log(self, path: str) -> None:
         """JSON Lines, one access per line: step, seq, block, bytes, tier."""
-        with open(path, "w") as f:
+        with open(file_path("save_access_log", path), "w") as f:
             for a in self.accesses:
                 f.write(json.dumps(a.as_dict()) + "\n")
 
@@ -220,6 +222,7 @@ class Report:
         optimizer's steps), stalls (waits for a block), moves (tracks per direction, as many as
         its transfers overlap: spans on one track never overlap) and the bytes used per tier as
         counters."""
+        path = file_path("to_chrome_trace", path)
         compute, stall = 1, 2
         tids = {"compute": compute, "stalls": stall}
         events: list[dict[str, Any]] = []
@@ -258,6 +261,7 @@ class Report:
         """PNG of bytes used per tier over time (budgets dashed), with moves marked as ticks on
         the time axis and stalls as red spans along it. Written at ``path`` exactly (whatever its
         suffix); drawn without pyplot, so the program's matplotlib backend is left as it was."""
+        path = file_path("plot", path)
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(11, 4))

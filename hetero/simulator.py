@@ -24,7 +24,7 @@ import math
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from .config import parse_prefetch, parse_size
+from .config import file_path, parse_prefetch, parse_size
 from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError
 from .policies import Policy, make_policy
 from .runtime import Runtime
@@ -582,7 +582,7 @@ def load_event_log(path: str) -> tuple[list[tuple], dict[str, tuple[str, int]], 
     ``Report.save_event_log``."""
     import json
 
-    with open(path) as f:
+    with open(file_path("load_event_log", path)) as f:
         header = json.loads(f.readline())
         events = [tuple(tuple(x) if isinstance(x, list) else x for x in json.loads(line)) for line in f]
     catalog = {k: (v[0], int(v[1])) for k, v in header.pop("catalog").items()}

@@ -396,3 +396,26 @@ def test_an_unlimited_budget_reads_as_unlimited() -> None:
     wrapped.close()
     assert rep.as_dict()["tiers"]["device"]["capacity"] == UNLIMITED
     assert re.search(r"device capacity +unlimited ", str(rep)) and "GiB  used" in str(rep)  # (the host's is a size)
+
+
+@pytest.mark.parametrize("method", ["to_chrome_trace", "plot", "save_access_log", "save_event_log"])
+def test_an_output_path_that_is_not_a_path_is_refused(report, method: str, tmp_path) -> None:
+    """Found in review: open() takes an int as a file descriptor, writes to it and closes it;
+    given one of the swap files' numbers, the engine went on swapping into whatever file the
+    program opened next under it (silently wrong weights). Refused, naming the method."""
+    import os
+
+    from hetero.simulator import load_event_log
+
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR)
+    for bad in (fd, True, None, ""):
+        with pytest.raises(hetero.HeteroConfigError, match=rf"{method}\(path="):
+            getattr(report, method)(bad)
+    os.fstat(fd)  # still open
+    os.close(fd)
+    getattr(report, method)(tmp_path / "out")  # an os.PathLike is a path
+    assert (tmp_path / "out").stat().st_size > 0
+    if method == "save_event_log":
+        with pytest.raises(hetero.HeteroConfigError, match=r"load_event_log\(path="):
+            load_event_log(3)
+        assert len(load_event_log(tmp_path / "out")[0]) == len(report.events)
