@@ -15,11 +15,28 @@ answer is always the same as asking ``victim`` over the same candidates; only th
 from __future__ import annotations
 
 import bisect
+import functools
+import numbers
 from typing import Any, Callable, Collection, Iterable, Optional
 
 from .chunks import Block
 from .policies.base import BlockInfo, Policy
 from .policycheck import bad_answer, policy_error, trusted
+
+
+def _nan(key: Any) -> bool:
+    return any(_nan(k) for k in key) if isinstance(key, tuple) else isinstance(key, numbers.Real) and key != key
+
+
+def _checked_rank(policy: Policy, tier: str, rank: Callable[[Block], tuple], block: Block) -> tuple:
+    """A custom policy's rank of ``block``, refused where its key holds a NaN."""
+    r = rank(block)
+    if _nan(r[0]):
+        raise policy_error(policy, "victim_key", f"ranked block {block.id} of the {tier} tier with "
+                           f"the key {r[0]!r}; NaN compares false with everything, so no order can be "
+                           "kept; expected keys of one type that compare with each other for every "
+                           "block (numbers, or tuples of them), without NaN")
+    return r
 
 
 def _owner(cls: type, name: str) -> type:
@@ -130,6 +147,8 @@ class Victims:
         # Ties go to the largest id, as in Policy.victim: the answer never depends on the order
         # blocks are listed or stored in.
         rank = lambda b: (key(info(b)), b.id)  # noqa: E731
+        if not self._trusted:  # a NaN key compares false both ways: the sorted ranking breaks
+            rank = functools.partial(_checked_rank, self.policy, tier, rank)
         try:
             r = self._ranked.get(tier)
             if r is not None and 2 * len(r.stale) > len(r.entries):  # cheaper to sort afresh

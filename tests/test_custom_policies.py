@@ -178,6 +178,28 @@ def test_victim_keys_that_do_not_compare_raise_naming_the_policy() -> None:
     model.close()
 
 
+class NaNKeys(MixedKeys):
+    """MixedKeys whose armed keys are NaN for parameters (numpy's 0 / 0, say)."""
+
+    def victim_key(self, tier):
+        if self.armed:
+            return lambda b: float("nan") if b.kind == "param" else -self.last.get(b.id, -1)
+        return super().victim_key(tier)
+
+
+def test_nan_victim_keys_raise_naming_the_policy() -> None:
+    """Found in review: NaN compares false both ways, so the sorted ranking lost track of its
+    entries and the forward failed with a bare KeyError from hetero/victims.py. Refused like
+    keys that do not compare, and training goes on as eager once the keys are sound."""
+    policy = NaNKeys()
+    model = _wrap(policy)
+    losses, errors = _train(model, policy, retry=True)
+    assert len(errors) == 1
+    assert "NaNKeys.victim_key()" in str(errors[0]) and "NaN" in str(errors[0])
+    _assert_like_eager(model, losses)
+    model.close()
+
+
 class RaisingSettle(SettleAll):
     """Settles every Adam state onto the device (helpers.SettleAll); while armed, settle()
     raises or (``answer``) returns a tier that does not exist."""
