@@ -484,7 +484,9 @@ class Runtime:
         if self.closed:
             raise HeteroStateError("this model was closed (HeteroModule.close()): its state can no "
                                    "longer be read, moved or trained; expected no use of the model "
-                                   "or its optimizer after close() (wrap the module again instead)")
+                                   "or its optimizer after close() (its parameters stay hetero's "
+                                   "placeholders: to train on, load a state_dict saved before close() "
+                                   "into a new module and wrap that)")
         if os.getpid() != self._pid:
             raise HeteroStateError(
                 f"this model was wrapped in process {self._pid}, and this is a child forked from it "

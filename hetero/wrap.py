@@ -759,19 +759,26 @@ def minimum_budgets(module: "HeteroModule", nvme: bool) -> tuple[int, int]:
 def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]], chunks: list[Chunk]) -> None:
     device_min = _minimum_device_budget(units, parents)
     if cfg.device_budget < device_min:
+        # Smaller chunks share less of a unit's chunk with other units' parameters, down to the
+        # largest parameter's size: a parameter is never split.
+        largest = max((s.numel * c.blocks[PARAM].dtype.itemsize for c in chunks for s in c.slots), default=0)
+        smaller = (f" a chunk_size below {cfg.chunk_size} (down to {largest}, the largest parameter's bytes),"
+                   if cfg.chunk_size > largest else "")
         raise HeteroConfigError(
             f"device_budget={cfg.device_budget} ({format_size(cfg.device_budget)}) is too small: the "
             f"largest wrapped unit (with the units enclosing it and one grad block) needs "
-            f"{device_min} bytes ({format_size(device_min)}); pass device_budget>={device_min}, a "
-            "smaller chunk_size, or an auto_wrap_policy with smaller units")
+            f"{device_min} bytes ({format_size(device_min)}); pass device_budget>={device_min},"
+            f"{smaller} or an auto_wrap_policy with smaller units")
     host_min = _minimum_host_budget(cfg.chunk_size, cfg.nvme_path is not None, chunks)
     if cfg.host_budget < host_min:
         why = ("stages blocks to and from NVMe and runs the optimizer step of a chunk" if cfg.nvme_path is not None
                else "takes the blocks the device gives up, the largest of them whole")
         raise HeteroConfigError(
             f"host_budget={cfg.host_budget} ({format_size(cfg.host_budget)}) is too small: the host "
-            f"tier {why}, which needs {host_min} bytes ({format_size(host_min)}); pass "
-            f"host_budget>={host_min} or a smaller chunk_size")
+            f"tier {why}, which needs {host_min} bytes ({format_size(host_min)}) at "
+            f"chunk_size={cfg.chunk_size}; pass host_budget>={host_min} (at another chunk_size the "
+            "minimum differs: the largest block sets the slot size, and blocks spanning slots need "
+            "slack, so a smaller chunk_size does not always lower it)")
     # As the optimizer's check (Adam._check_capacity) counts: below the device each block takes
     # whole slots, or units of a shared one, and the budgets hold whole slots.
     sizes = [b.nbytes for c in chunks for b in c.blocks.values()]

@@ -315,6 +315,21 @@ def test_device_budget_minimum_default_chunks(tmp_path):
     train_step(hetero.wrap(make_model(), device="cpu", device_budget=minimum))
 
 
+@pytest.mark.parametrize("chunk_size", ["64KiB", "1KiB"])
+def test_a_budget_error_advises_a_smaller_chunk_size_only_where_it_can_help(chunk_size, tmp_path):
+    """Found in review: 'or a smaller chunk_size' was advised where it cannot help (a parameter is
+    never split: below the largest one, smaller chunks change nothing on the device) or where it
+    raises the host's minimum (blocks spanning slots need slack)."""
+    largest = 32 * 128 * 4  # a block's MLP weight: 16 KiB of float32
+    msg = expect_config_error("device_budget", 1000, tmp_path, device_budget=1000, chunk_size=chunk_size)
+    assert ("chunk_size below" in msg) == (parse_size(chunk_size, "chunk_size") > largest)
+    if "chunk_size below" in msg:
+        assert f"down to {largest}," in msg
+    msg = expect_config_error("host_budget", 1000, tmp_path, host_budget=1000, nvme_path=str(tmp_path / "swap"),
+                              chunk_size=chunk_size)
+    assert f"at chunk_size={parse_size(chunk_size, 'chunk_size')}" in msg and "does not always lower it" in msg
+
+
 def host_minimum(tmp_path) -> int:
     msg = expect_config_error("host_budget", 1000, tmp_path, host_budget=1000,
                               nvme_path=str(tmp_path / "swap"), chunk_size=CHUNK)
