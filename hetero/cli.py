@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -363,6 +364,24 @@ def _check_writable(path: str | None, what: str, directory: bool = False) -> Non
             existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
         raise HeteroConfigError(f"{what} {path!r}: {existing!r} is not a writable directory")
+    if not directory:
+        _probe_file(path, what)
+
+
+def _probe_file(path: str, what: str) -> None:
+    """Open the file ``path`` for writing (and remove it again if it was not there) to find
+    what only trying tells: a read-only file, a name too long, a file system that refuses."""
+    try:
+        if os.path.exists(path):
+            with open(path, "a"):
+                pass
+        else:
+            with open(path, "x"):
+                pass
+            os.remove(path)
+    except OSError as exc:
+        raise HeteroConfigError(f"{what} {path!r} cannot be written ({exc.strerror or exc}); expected "
+                                "a path where a file can be written") from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -392,10 +411,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if os.path.isdir(path):
             raise HeteroConfigError(f"--out {args.out!r}: {path!r} is a directory; expected room for the "
                                     f"file {name}")
-    res = _run_from_args(args, "hetero profile")
+    made = None  # the outermost directory this makes, removed if the run fails
+    if not os.path.isdir(args.out):
+        made = os.path.abspath(args.out)
+        while not os.path.exists(os.path.dirname(made)):
+            made = os.path.dirname(made)
+    try:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as exc:
+            raise HeteroConfigError(f"--out {args.out!r} cannot be made ({exc.strerror or exc}); expected "
+                                    "a directory path where files can be written") from None
+        for path in paths.values():
+            _probe_file(path, "--out")
+        res = _run_from_args(args, "hetero profile")
+    except BaseException:
+        if made:  # (left as it was found)
+            shutil.rmtree(made, ignore_errors=True)
+        raise
     if res.rank != 0:
         return 0
-    os.makedirs(args.out, exist_ok=True)
     with open(paths["report.json"], "w") as f:
         json.dump(res.json_dict(), f, indent=1)
     res.report.to_chrome_trace(paths["trace.json"])

@@ -189,11 +189,15 @@ def test_hetero_profile_writes_report_trace_plot_and_access_log(tmp_path, capsys
                                   ["plan", "--json", "/nonexistent-dir/x.json"],
                                   ["profile", "--out", __file__ + "/out"],  # (under a file)
                                   ["profile", "--out", ""],
-                                  ["train", "--json", "/"]])
+                                  ["train", "--json", "/"],
+                                  ["train", "--json", "x" * 300 + ".json"],  # (a name too long:
+                                  ["plan", "--json", "x" * 300 + ".json"],  # found by trying it)
+                                  ["profile", "--out", "a/" + "x" * 300],
+                                  ["profile", "--steps", "0", "--out", "a/b"]])
 def test_the_cli_refuses_bad_arguments_before_running(argv, capsys, tmp_path, monkeypatch) -> None:
     """One line naming the argument, exit code 2, before any training (so an unwritable --json
-    does not waste the run) and before profile makes its output directory; a directory --out
-    that does not exist yet, with its parents, is fine."""
+    does not waste the run), leaving no output directory behind (profile makes its own, and its
+    parents, before the run, and removes them when the run is refused)."""
     monkeypatch.chdir(tmp_path)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
