@@ -22,6 +22,7 @@ cores shared between compute, copies and the host update: on a CPU they can domi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import tempfile
@@ -297,8 +298,8 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
     for name, value in given.items():
         if name not in fields:
             raise TypeError(f"plan() got an unexpected keyword argument {name!r}")
-        if value is not None and not value > 0:
-            raise HeteroConfigError(f"{name}={value!r}: expected a speed > 0 (or None to measure it)")
+        if value is not None and not 0 < value < math.inf:
+            raise HeteroConfigError(f"{name}={value!r}: expected a finite speed > 0 (or None to measure it)")
     minimums: dict[str, int] = {}
 
     def layout(module: Any) -> None:

@@ -137,6 +137,8 @@ def test_cli_plan_measures_this_machine_and_writes_json(tmp_path, capsys) -> Non
     (["--batch-size", "0"], "batch_size"),
     (["--steps", "1"], "steps"),
     (["--compute-tflops", "-1"], "compute_tflops"),
+    (["--compute-tflops", "inf"], "compute_tflops"),  # (priced compute at 0 s)
+    (["--h2d-gbps", "nan"], "h2d_GBps"),
     (["--device", "foo"], "device"),
     (["--threads", "0"], "--threads"),
 ])
