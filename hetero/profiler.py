@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # pragma: no cover
 _UNKNOWN = object()  # a Report made without saying what its run's policy started as
 
 
-
 class Report:
     """A snapshot of a HeteroModule's placement (taken by ``placement_report()``)."""
 
