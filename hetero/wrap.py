@@ -797,6 +797,31 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             f"({', '.join(f'{n} {exact_size(b)}' for n, b in held.items())}); {raise_budget_advice(nvme)}")
 
 
+def _adopt_below(below: dict[tuple[nn.Module, str], nn.Parameter], names: dict[int, str]) -> None:
+    """After an initializer ran on a module: where it replaced meta parameters of modules below
+    it with new materialized ones (``module.to_empty(device=...)``, whose ``recurse`` is True by
+    default, as FSDP users write it), the original objects take the new values and their places
+    back. hetero packed those objects, and a tie is one object in two places; the modules below
+    then hold no meta tensors and are not initialized again, as with FSDP. A replacement of
+    another shape or dtype, or by a meta tensor, is refused."""
+    for (d, k), p in below.items():
+        now = d._parameters.get(k)
+        if now is p:
+            continue
+        if p.is_meta and now is not None and not now.is_meta and now.shape == p.shape and now.dtype == p.dtype:
+            with torch.no_grad():
+                torch.utils.swap_tensors(p, nn.Parameter(now.detach().to("cpu"), requires_grad=p.requires_grad))
+        elif p.is_meta or now is None or now.shape != p.shape or now.dtype != p.dtype:
+            d._parameters[k] = p
+            raise HeteroConfigError(
+                f"initializing modules replaced parameter {k!r} ({tuple(p.shape)}, {p.dtype}) of module "
+                f"{names[id(d)] or type(d).__name__!r} below them with "
+                f"{'nothing' if now is None else f'({tuple(now.shape)}, {now.dtype}, {now.device})'}; expected "
+                "param_init_fn to fill the parameters in place, or to materialize them with their shape and "
+                "dtype (module.to_empty(device=...))")
+        d._parameters[k] = p  # (a tie's second place: the first adopted the values)
+
+
 def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                  param_init_fn: Optional[Callable[[nn.Module], None]], device: torch.device,
                  buffer_dtype: Optional[torch.dtype]) -> None:
@@ -846,8 +871,13 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                     else:
                         m._buffers[k] = torch.empty_like(t, device="cpu")
         before = {k: (p, p.shape, p.dtype) for k, p in m._parameters.items() if p is not None}
+        # An FSDP-style initializer may materialize the whole subtree (``to_empty`` recurses by
+        # default), replacing the meta parameters below with new objects: see _adopt_below.
+        below = ({(d, k): p for d in m.modules() if d is not m for k, p in d._parameters.items()
+                  if p is not None and p.is_meta} if param_init_fn is not None and meta else {})
         if param_init_fn is not None and meta:
             param_init_fn(m)
+            _adopt_below(below, names)
         elif meta and hasattr(m, "reset_parameters"):
             m.reset_parameters()
         for k, (p, shape, dtype) in before.items():

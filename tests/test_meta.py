@@ -383,3 +383,59 @@ def test_a_tied_head_with_its_own_meta_bias_materializes():
     wrapped = hetero.wrap(model, device="cpu", chunk_size="4KiB", device_budget="16KiB")
     assert torch.isfinite(wrapped(torch.arange(8)[None])).all()
     assert model.head.weight is model.emb.weight
+
+
+@pytest.mark.parametrize("budget", [None, 0.3])
+def test_an_initializer_that_materializes_the_whole_subtree_works_as_with_fsdp(budget, tmp_path):
+    """Found in review: ``param_init_fn=lambda m: m.to_empty(device="cpu")`` (recurse=True, torch's
+    default, as FSDP users write it) on a module with tensors of its own and meta children
+    (nn.MultiheadAttention) replaced the children's parameters with new objects, and wrap failed
+    with a bare AssertionError. hetero keeps its objects, with the new values; the children are not
+    initialized again (as with FSDP), and after a state-dict load training equals eager."""
+
+    def make() -> nn.Module:
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+    torch.manual_seed(0)
+    eager = make()
+    with torch.device("meta"):
+        model = make()
+    objects = [id(p) for p in model.parameters()]
+    calls = []
+    kw = {} if budget is None else dict(device_budget=int(state_bytes(eager) * budget),
+                                        host_budget=int(state_bytes(eager) * 0.3), nvme_path=str(tmp_path))
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="2KiB",
+                          param_init_fn=lambda m: calls.append(m) or m.to_empty(device="cpu"), **kw)
+    assert [id(p) for p in wrapped.parameters()] == objects
+    # Each module holding meta tensors of its own when reached: not an attention's out_proj,
+    # which the attention's to_empty materialized.
+    assert len(calls) == 10 and not any(isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear)
+                                        for m in calls)
+    wrapped.load_state_dict(eager.state_dict())
+    opts = (torch.optim.AdamW(eager.parameters(), lr=1e-2), hetero.optim.AdamW(wrapped.parameters(), lr=1e-2))
+    for x in torch.randn(3, 4, 5, 16, generator=torch.Generator().manual_seed(1)):
+        for m, opt in zip((eager, wrapped), opts):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    got = wrapped.state_dict()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    wrapped.close()
+
+
+def test_an_initializer_that_replaces_a_parameter_below_with_another_shape_is_refused(tmp_path):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model.scale = nn.Parameter(torch.ones(1, device="meta"))  # the root holds a meta tensor
+
+    def init(m: nn.Module) -> None:
+        m.to_empty(device="cpu", recurse=False)
+        if m is model:
+            m[1].weight = nn.Parameter(torch.zeros(4, 4))
+
+    with pytest.raises(hetero.HeteroConfigError, match=r"replaced parameter 'weight' \(\(8, 8\).*module '1'"):
+        hetero.wrap(model, device="cpu", nvme_path=str(tmp_path), param_init_fn=init)
+    assert model[1].weight.is_meta and model[1].weight.shape == (8, 8)
+    assert not list(tmp_path.glob("hetero-swap-*"))
