@@ -229,7 +229,7 @@ def _parse_sharding(strategy: Any) -> ShardingStrategy:
     if isinstance(name, str) and name.upper() in SHARDING:
         return ShardingStrategy(name.upper())
     raise HeteroConfigError(f"sharding_strategy={strategy!r} is not accepted; expected one of "
-                            f"{', '.join(repr(s) for s in SHARDING)} or torch's ShardingStrategy")
+                            f"{', '.join(repr(s) for s in SHARDING)} or torch's ShardingStrategy of those names")
 
 
 def _parse_mixed_precision(mp: Any) -> Optional[MixedPrecision]:

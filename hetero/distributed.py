@@ -50,6 +50,11 @@ def resolve_group(process_group: Any) -> Optional[Any]:
     layout), and stands for the world: hetero shards over all ranks alike. Raises
     HeteroConfigError for anything else that is not a ProcessGroup."""
     usable = dist.is_available() and dist.is_initialized()
+    if usable and process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise HeteroConfigError(
+            f"process_group: rank {dist.get_rank()} is not a member of this group (torch's new_group "
+            "gives non-members a placeholder); expected a group holding this rank, or wrapping only "
+            "on the group's ranks")
     if isinstance(process_group, tuple) and usable and len(process_group) == 2 and all(
             isinstance(g, dist.ProcessGroup) for g in process_group):
         sizes = [dist.get_world_size(g) for g in process_group]
@@ -126,21 +131,22 @@ class Replicas:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.comm_device)
 
-    def agree_layout(self, mine: Optional[tuple[list["Chunk"], "nn.Module", "Config"]]) -> None:
+    def agree_layout(self, mine: Optional[tuple[list["Chunk"], "nn.Module", "Config", bool]]) -> None:
         """The first collective of ``wrap``, after every check and plan and before any byte moves:
-        ``mine`` is this rank's (chunks, module, config), or None where its wrap failed. Raises
-        HeteroConfigError on every rank if any rank's wrap failed, or unless all ranks packed the
-        same chunks (parameters, shapes, dtypes of every block, frozen or not, chunk size) and
-        hold the same buffers: gradients are averaged chunk by chunk and states broadcast tensor
-        by tensor, so a rank with another model would mix unrelated bytes, or wait forever in a
-        collective."""
+        ``mine`` is this rank's (chunks, module, config, sync_module_states), or None where its
+        wrap failed. Raises HeteroConfigError on every rank if any rank's wrap failed, or unless
+        all ranks packed the same chunks (parameters, shapes, dtypes of every block, frozen or
+        not, chunk size), hold the same buffers and asked for the same sharding strategy and
+        state sync: gradients are averaged chunk by chunk (reduced to an owner where sharded, on
+        every rank where not) and states broadcast tensor by tensor, so a rank with another model
+        or another strategy would mix unrelated bytes, or wait forever in a collective."""
         code = 0
         if mine is not None:
-            chunks, module, cfg = mine
+            chunks, module, cfg, sync = mine
             layout = repr([(c.numel, c.requires_grad, sorted((k, str(b.dtype)) for k, b in c.blocks.items()),
                             [(s.names[0], tuple(s.param.shape)) for s in c.slots]) for c in chunks]
                           + [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-                          + [cfg.chunk_size])
+                          + [cfg.chunk_size, cfg.sharding_strategy.value, sync])
             code = zlib.crc32(layout.encode())
         t = self._tensor([int(mine is None), code, -code])
         dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
@@ -153,8 +159,9 @@ class Replicas:
                 f"module differs between the {self.world} ranks of process_group (rank {self.rank} "
                 f"packed {len(chunks)} chunks of {sum(c.numel for c in chunks)} elements, and another "
                 "rank something else): every rank must wrap the same model (the same parameters "
-                "frozen, the same buffers) with the same chunk_size and mixed_precision; expected "
-                "identical hetero.wrap calls on every rank")
+                "frozen, the same buffers) with the same chunk_size, mixed_precision, "
+                "sharding_strategy and sync_module_states; expected identical hetero.wrap calls on "
+                "every rank")
 
     def agree(self, ok: bool) -> bool:
         """Whether every rank is ok (one small collective every rank must reach)."""

@@ -954,7 +954,7 @@ def wrap(
             replicas.agree_layout(None)
         raise
     if replicas is not None:
-        replicas.agree_layout((chunks, module, cfg))
+        replicas.agree_layout((chunks, module, cfg, sync_module_states))
         if cfg.sharding_strategy is not ShardingStrategy.NO_SHARD:
             replicas.shard(chunks)
         if cfg.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) and replicas.rank == 0:

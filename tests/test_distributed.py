@@ -404,6 +404,26 @@ def _case_frozen_on_one_rank(rank: int, where: Path) -> None:
         hetero.wrap(model, device="cpu", chunk_size="8KiB")
 
 
+def _case_wrap_arguments_differ(rank: int, where: Path) -> None:
+    """Found in review: another sharding_strategy on one rank (an all_reduce against a reduce)
+    hung in the first step(), and sync_module_states on one rank only failed with a misleading
+    error or an abort from gloo. Both are refused by wrap, on every rank."""
+    for kw in (dict(sharding_strategy="FULL_SHARD" if rank == 0 else "NO_SHARD"),
+               dict(sharding_strategy="NO_SHARD", sync_module_states=rank == 0)):
+        model = seeded_gpt()
+        with pytest.raises(hetero.HeteroConfigError, match="module differs between the 2 ranks.*sharding_strategy"):
+            hetero.wrap(model, device="cpu", chunk_size="8KiB", **kw)
+        assert all(not p.is_meta and torch.isfinite(p).all() for p in model.parameters())  # untouched
+    wrapped = hetero.wrap(seeded_gpt(), device="cpu", chunk_size="8KiB", sharding_strategy="SHARD_GRAD_OP")
+    wrapped.close()  # (the ranks still agree on the next wrap)
+    group = dist.new_group([0])  # (torch gives rank 1 a placeholder, -100, that was refused as a bad type)
+    if rank == 1:
+        with pytest.raises(hetero.HeteroConfigError, match="rank 1 is not a member of this group"):
+            hetero.wrap(seeded_gpt(), device="cpu", process_group=group)
+    else:
+        hetero.wrap(seeded_gpt(), device="cpu", process_group=group).close()  # (a group of one)
+
+
 def _case_budget_fails_on_one_rank(rank: int, where: Path) -> None:
     """wrap refusing on one rank (its budget too small) raises on every rank, at once."""
     kw = _budgets("device25_host", where)
@@ -559,6 +579,7 @@ CASES = {
     "failures_before_collectives": _case_failures_before_collectives,
     "noshard_update_failure": _case_noshard_update_failure,
     "frozen_on_one_rank": _case_frozen_on_one_rank,
+    "wrap_arguments_differ": _case_wrap_arguments_differ,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,
     "fp16_average": _case_fp16_average,
     "backward_after_clip": _case_backward_after_clip,
