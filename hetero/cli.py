@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -368,6 +367,22 @@ def _check_writable(path: str | None, what: str, directory: bool = False) -> Non
         _probe_file(path, what)
 
 
+def _make_dirs(path: str, made: list[str]) -> None:
+    """Make the directory ``path`` and its missing parents, as ``os.makedirs`` does (the same
+    walk, so ``new/../old`` makes only ``new``), appending each one made to ``made``."""
+    if os.path.isdir(path):
+        return
+    head, tail = os.path.split(path)
+    if not tail:
+        head, tail = os.path.split(head)
+    if head and tail and not os.path.exists(head):
+        _make_dirs(head, made)
+    if tail in (os.curdir, os.pardir) or os.path.isdir(path):
+        return
+    os.mkdir(path)
+    made.append(path)
+
+
 def _probe_file(path: str, what: str) -> None:
     """Open the file ``path`` for writing (and remove it again if it was not there) to find
     what only trying tells: a read-only file, a name too long, a file system that refuses."""
@@ -411,14 +426,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if os.path.isdir(path):
             raise HeteroConfigError(f"--out {args.out!r}: {path!r} is a directory; expected room for the "
                                     f"file {name}")
-    made = None  # the outermost directory this makes, removed if the run fails
-    if not os.path.isdir(args.out):
-        made = os.path.abspath(args.out)
-        while not os.path.exists(os.path.dirname(made)):
-            made = os.path.dirname(made)
+    made: list[str] = []  # the directories this makes, taken back (empty) if the run is refused
     try:
         try:
-            os.makedirs(args.out, exist_ok=True)
+            _make_dirs(args.out, made)
         except OSError as exc:
             raise HeteroConfigError(f"--out {args.out!r} cannot be made ({exc.strerror or exc}); expected "
                                     "a directory path where files can be written") from None
@@ -426,8 +437,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
             _probe_file(path, "--out")
         res = _run_from_args(args, "hetero profile")
     except BaseException:
-        if made:  # (left as it was found)
-            shutil.rmtree(made, ignore_errors=True)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)  # (only what this made, and only empty: never a directory the user had)
         raise
     if res.rank != 0:
         return 0

@@ -25,7 +25,15 @@ from .policycheck import bad_answer, policy_error, trusted
 
 
 def _nan(key: Any) -> bool:
-    return any(_nan(k) for k in key) if isinstance(key, tuple) else isinstance(key, numbers.Real) and key != key
+    """Whether ``key`` is or holds a NaN (a float, numpy's or a 0-d tensor; tuples of them)."""
+    if isinstance(key, tuple):
+        return any(_nan(k) for k in key)
+    if isinstance(key, (numbers.Integral, str, bytes)):
+        return False
+    try:
+        return bool(key != key)
+    except (TypeError, ValueError, RuntimeError):  # (not one value: its comparison raises elsewhere)
+        return False
 
 
 def _checked_rank(policy: Policy, tier: str, rank: Callable[[Block], tuple], block: Block) -> tuple:

@@ -797,13 +797,17 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             f"({', '.join(f'{n} {exact_size(b)}' for n, b in held.items())}); {raise_budget_advice(nvme)}")
 
 
+def _holds_meta(module: nn.Module) -> bool:
+    """Whether ``module`` holds meta tensors of its own (parameters or buffers)."""
+    return any(t is not None and t.is_meta for t in (*module._parameters.values(), *module._buffers.values()))
+
+
 def _adopt_below(below: dict[tuple[nn.Module, str], nn.Parameter], names: dict[int, str]) -> None:
     """After an initializer ran on a module: where it replaced meta parameters of modules below
     it with new materialized ones (``module.to_empty(device=...)``, whose ``recurse`` is True by
     default, as FSDP users write it), the original objects take the new values and their places
-    back. hetero packed those objects, and a tie is one object in two places; the modules below
-    then hold no meta tensors and are not initialized again, as with FSDP. A replacement of
-    another shape or dtype, or by a meta tensor, is refused."""
+    back: hetero packed those objects, and a tie is one object in two places. A replacement of
+    another shape or dtype, or by a meta tensor, is refused (the caller puts every one back)."""
     for (d, k), p in below.items():
         now = d._parameters.get(k)
         if now is p:
@@ -812,7 +816,6 @@ def _adopt_below(below: dict[tuple[nn.Module, str], nn.Parameter], names: dict[i
             with torch.no_grad():
                 torch.utils.swap_tensors(p, nn.Parameter(now.detach().to("cpu"), requires_grad=p.requires_grad))
         elif p.is_meta or now is None or now.shape != p.shape or now.dtype != p.dtype:
-            d._parameters[k] = p
             raise HeteroConfigError(
                 f"initializing modules replaced parameter {k!r} ({tuple(p.shape)}, {p.dtype}) of module "
                 f"{names[id(d)] or type(d).__name__!r} below them with "
@@ -843,6 +846,7 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
     # as the tie made it: the values staged first stand).
     last_holder = {id(p): i for i, m in enumerate(modules) for p in m.parameters(recurse=False)}
     placed: list[Chunk] = []
+    materialized: set[int] = set()  # modules an initializer of a module above them materialized
 
     def stage(p: nn.Parameter) -> None:
         chunk, slot = slot_of[id(p)]
@@ -871,13 +875,21 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                     else:
                         m._buffers[k] = torch.empty_like(t, device="cpu")
         before = {k: (p, p.shape, p.dtype) for k, p in m._parameters.items() if p is not None}
-        # An FSDP-style initializer may materialize the whole subtree (``to_empty`` recurses by
-        # default), replacing the meta parameters below with new objects: see _adopt_below.
-        below = ({(d, k): p for d in m.modules() if d is not m for k, p in d._parameters.items()
-                  if p is not None and p.is_meta} if param_init_fn is not None and meta else {})
-        if param_init_fn is not None and meta:
-            param_init_fn(m)
-            _adopt_below(below, names)
+        if param_init_fn is not None and (meta or id(m) in materialized):
+            # An FSDP-style initializer may materialize the whole subtree (``to_empty`` recurses
+            # by default), replacing the meta parameters below with new objects: see
+            # _adopt_below. As FSDP, the modules it materialized are initialized in their turn.
+            below = {(d, k): p for d in m.modules() if d is not m for k, p in d._parameters.items()
+                     if p is not None and p.is_meta}
+            unmade = [d for d in m.modules() if d is not m and _holds_meta(d)]
+            try:
+                param_init_fn(m)
+                _adopt_below(below, names)
+            except BaseException:
+                for (d, k), p in below.items():  # (wrap gives the model back as it was)
+                    d._parameters[k] = p
+                raise
+            materialized.update(id(d) for d in unmade if not _holds_meta(d))
         elif meta and hasattr(m, "reset_parameters"):
             m.reset_parameters()
         for k, (p, shape, dtype) in before.items():

@@ -391,7 +391,7 @@ def test_an_initializer_that_materializes_the_whole_subtree_works_as_with_fsdp(b
     default, as FSDP users write it) on a module with tensors of its own and meta children
     (nn.MultiheadAttention) replaced the children's parameters with new objects, and wrap failed
     with a bare AssertionError. hetero keeps its objects, with the new values; the children are not
-    initialized again (as with FSDP), and after a state-dict load training equals eager."""
+    initialized in their turn (as with FSDP), and after a state-dict load training equals eager."""
 
     def make() -> nn.Module:
         layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
@@ -408,10 +408,9 @@ def test_an_initializer_that_materializes_the_whole_subtree_works_as_with_fsdp(b
     wrapped = hetero.wrap(model, device="cpu", chunk_size="2KiB",
                           param_init_fn=lambda m: calls.append(m) or m.to_empty(device="cpu"), **kw)
     assert [id(p) for p in wrapped.parameters()] == objects
-    # Each module holding meta tensors of its own when reached: not an attention's out_proj,
-    # which the attention's to_empty materialized.
-    assert len(calls) == 10 and not any(isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear)
-                                        for m in calls)
+    # As FSDP, every module holding tensors of its own, an attention's out_proj included (the
+    # attention's to_empty materialized it: initialized in its turn all the same).
+    assert calls == [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     wrapped.load_state_dict(eager.state_dict())
     opts = (torch.optim.AdamW(eager.parameters(), lr=1e-2), hetero.optim.AdamW(wrapped.parameters(), lr=1e-2))
     for x in torch.randn(3, 4, 5, 16, generator=torch.Generator().manual_seed(1)):
@@ -439,3 +438,42 @@ def test_an_initializer_that_replaces_a_parameter_below_with_another_shape_is_re
         hetero.wrap(model, device="cpu", nvme_path=str(tmp_path), param_init_fn=init)
     assert model[1].weight.is_meta and model[1].weight.shape == (8, 8)
     assert not list(tmp_path.glob("hetero-swap-*"))
+
+
+def test_modules_an_initializer_materialized_from_above_are_initialized_in_their_turn(tmp_path):
+    """Found in review of the fix above: an init that materializes its subtree and fills only its
+    own module's tensors left the children's values as to_empty's garbage (silently). As FSDP,
+    param_init_fn runs on each of them too; and an init that fails gives every object back."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.empty(4))
+            self.lin = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+
+    def init(m: nn.Module) -> None:
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                t.fill_(len(name))  # (its own tensors only)
+
+    with torch.device("meta"):
+        model = nn.Sequential(Block())
+    wrapped = hetero.wrap(model, device="cpu", param_init_fn=init)
+    for k, v in wrapped.state_dict().items():
+        assert torch.equal(v, torch.full_like(v, len(k.split(".")[-1]))), k
+    wrapped.close()
+
+    with torch.device("meta"):
+        model = nn.Sequential(Block())
+    objects = {n: p for n, p in model.named_parameters()}
+
+    def failing(m: nn.Module) -> None:
+        m.to_empty(device="cpu")
+        raise RuntimeError("user init failed")
+
+    with pytest.raises(RuntimeError, match="user init failed"):
+        hetero.wrap(model, device="cpu", nvme_path=str(tmp_path), param_init_fn=failing)
+    assert {n: p for n, p in model.named_parameters()} == objects
+    assert all(p.is_meta for p in model.parameters())
