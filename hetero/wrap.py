@@ -797,9 +797,10 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             f"({', '.join(f'{n} {exact_size(b)}' for n, b in held.items())}); {raise_budget_advice(nvme)}")
 
 
-def _holds_meta(module: nn.Module) -> bool:
-    """Whether ``module`` holds meta tensors of its own (parameters or buffers)."""
-    return any(t is not None and t.is_meta for t in (*module._parameters.values(), *module._buffers.values()))
+def _own_meta(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The meta tensors ``module`` holds of its own (parameters and buffers), by name."""
+    own = dict(module._parameters) | dict(module._buffers)
+    return {k: t for k, t in own.items() if t is not None and t.is_meta}
 
 
 def _adopt_below(below: dict[tuple[nn.Module, str], nn.Parameter], names: dict[int, str]) -> None:
@@ -812,17 +813,17 @@ def _adopt_below(below: dict[tuple[nn.Module, str], nn.Parameter], names: dict[i
         now = d._parameters.get(k)
         if now is p:
             continue
-        if p.is_meta and now is not None and not now.is_meta and now.shape == p.shape and now.dtype == p.dtype:
-            with torch.no_grad():
-                torch.utils.swap_tensors(p, nn.Parameter(now.detach().to("cpu"), requires_grad=p.requires_grad))
-        elif p.is_meta or now is None or now.shape != p.shape or now.dtype != p.dtype:
+        if now is None or now.shape != p.shape or now.dtype != p.dtype or (p.is_meta and now.is_meta):
             raise HeteroConfigError(
                 f"initializing modules replaced parameter {k!r} ({tuple(p.shape)}, {p.dtype}) of module "
                 f"{names[id(d)] or type(d).__name__!r} below them with "
                 f"{'nothing' if now is None else f'({tuple(now.shape)}, {now.dtype}, {now.device})'}; expected "
                 "param_init_fn to fill the parameters in place, or to materialize them with their shape and "
                 "dtype (module.to_empty(device=...))")
-        d._parameters[k] = p  # (a tie's second place: the first adopted the values)
+        if p.is_meta:  # (else a tie's second place: the first adopted the values)
+            with torch.no_grad():
+                torch.utils.swap_tensors(p, nn.Parameter(now.detach().to("cpu"), requires_grad=p.requires_grad))
+        d._parameters[k] = p
 
 
 def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
@@ -864,8 +865,7 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
             placed.append(chunk)
 
     for i, m in enumerate(modules):
-        own = dict(m._parameters) | dict(m._buffers)
-        meta = {k: t for k, t in own.items() if t is not None and t.is_meta}
+        meta = _own_meta(m)
         if meta:
             with torch.no_grad():
                 for k, t in meta.items():  # in the existing objects (identity and ties kept)
@@ -879,9 +879,8 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
             # An FSDP-style initializer may materialize the whole subtree (``to_empty`` recurses
             # by default), replacing the meta parameters below with new objects: see
             # _adopt_below. As FSDP, the modules it materialized are initialized in their turn.
-            below = {(d, k): p for d in m.modules() if d is not m for k, p in d._parameters.items()
-                     if p is not None and p.is_meta}
-            unmade = [d for d in m.modules() if d is not m and _holds_meta(d)]
+            unmade = [d for d in m.modules() if d is not m and _own_meta(d)]
+            below = {(d, k): p for d in unmade for k, p in d._parameters.items() if p is not None and p.is_meta}
             try:
                 param_init_fn(m)
                 _adopt_below(below, names)
@@ -889,7 +888,7 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                 for (d, k), p in below.items():  # (wrap gives the model back as it was)
                     d._parameters[k] = p
                 raise
-            materialized.update(id(d) for d in unmade if not _holds_meta(d))
+            materialized.update(id(d) for d in unmade if not _own_meta(d))
         elif meta and hasattr(m, "reset_parameters"):
             m.reset_parameters()
         for k, (p, shape, dtype) in before.items():
