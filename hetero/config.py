@@ -296,6 +296,9 @@ def _parse_auto_wrap_policy(policy: Any) -> Optional[Callable[..., bool]]:
             return True if recurse else isinstance(module, classes)
 
         return by_class
+    if isinstance(policy, type) and issubclass(policy, torch.nn.Module):  # (callable, as a constructor)
+        raise HeteroConfigError(f"auto_wrap_policy={policy!r} (a module class) is not accepted; "
+                                f"expected a set of classes such as {{{policy.__name__}}}, or {accepted}")
     if callable(policy):
         return policy
     raise HeteroConfigError(f"auto_wrap_policy={policy!r} is not accepted; expected {accepted}")

@@ -669,11 +669,36 @@ def _check_params(module: nn.Module) -> None:
             raise HeteroConfigError(
                 f"parameter {name!r} has dtype {p.dtype}; hetero.wrap manages floating-point and complex "
                 "parameters; expected a tensor of another dtype as a buffer (register_buffer)")
+    _check_aliases(module)
     for name, m in module.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
             raise HeteroConfigError(
                 f"module {name or type(m).__name__!r} has sparse=True: its gradients are sparse, and "
                 "hetero keeps gradients in dense blocks; expected sparse=False")
+
+
+def _check_aliases(module: nn.Module) -> None:
+    """Refuse two parameter objects over the same memory (``nn.Parameter(other.data)``, a view
+    of another): eager updates that memory through both, hetero packs each into chunks of its own
+    and would silently part them. A parameter tied by object (the same ``nn.Parameter`` in two
+    places) is one parameter and packed once."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for name, p in module.named_parameters():
+        if p.is_meta or p.numel() == 0:
+            continue
+        start = p.storage_offset()
+        end = start + 1 + sum((n - 1) * abs(st) for n, st in zip(p.shape, p.stride()))
+        size = p.element_size()
+        spans.setdefault(p.untyped_storage().data_ptr(), []).append((start * size, end * size, name))
+    for found in spans.values():
+        found.sort()
+        for (_, end, first), (start, _, second) in zip(found, found[1:]):
+            if start < end:
+                raise HeteroConfigError(
+                    f"parameters {first!r} and {second!r} are two parameter objects over the same "
+                    "memory (one made from the other's data, or a view of it): eager training updates "
+                    "that memory through both, hetero.wrap gives each its own; expected one parameter "
+                    "object in both places (tie by assignment: b.weight = a.weight) or separate tensors")
 
 
 def _check_norm_buffers(module: nn.Module, given: Any, mp: Any) -> None:

@@ -171,7 +171,7 @@ def test_bad_prefetch(prefetch, tmp_path):
     expect_config_error("prefetch", prefetch, tmp_path, prefetch=prefetch)
 
 
-@pytest.mark.parametrize("policy", [42, {int}, "Block", [nn.Linear, 3]], ids=repr)
+@pytest.mark.parametrize("policy", [42, {int}, "Block", [nn.Linear, 3], nn.Linear], ids=repr)
 def test_bad_auto_wrap_policy(policy, tmp_path):
     expect_config_error("auto_wrap_policy", policy, tmp_path, auto_wrap_policy=policy)
 
@@ -494,3 +494,25 @@ def test_parameters_chunks_cannot_hold_are_refused_naming_them():
     with pytest.raises(hetero.HeteroConfigError, match="'0'.*sparse=True"):
         hetero.wrap(sparse, device="cpu")
     assert not sparse._forward_pre_hooks and not ints._forward_pre_hooks
+
+
+def test_parameters_over_the_same_memory_are_refused_naming_them():
+    """Two parameter objects over one memory (one made from the other's ``.data``, or a view of
+    it) stay equal in eager training; hetero gave each its own chunk and parted them silently.
+    Parameters over disjoint parts of one tensor, and a tie by object, are accepted."""
+    def two() -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    for alias in (lambda w: w.data, lambda w: w.data.t(), lambda w: w.data.view(-1)[2:].view(-1)[:14].view(2, 7)):
+        model = two()
+        model[1].weight = torch.nn.Parameter(alias(model[0].weight))
+        with pytest.raises(hetero.HeteroConfigError, match="'0.weight' and '1.weight'.*same memory"):
+            hetero.wrap(model, device="cpu")
+        assert not model._forward_pre_hooks
+    apart, big = two(), torch.randn(40)
+    apart[0].weight = torch.nn.Parameter(big[:16].view(4, 4))
+    apart[1].weight = torch.nn.Parameter(big[16:32].view(4, 4))
+    tied = two()
+    tied[1].weight = tied[0].weight
+    for model in (apart, tied):
+        hetero.wrap(model, device="cpu").close()

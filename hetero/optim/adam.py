@@ -123,6 +123,7 @@ class Adam(torch.optim.Optimizer):
         old_state, n_frozen = self._state, len(self._frozen)
         try:
             _check_supported(self.param_groups[-1], f"param_groups[{len(self.param_groups) - 1}]: ")
+            seen: set[int] = set()
             for p in self.param_groups[-1]["params"]:
                 st = state_of(p)
                 if st is None:
@@ -134,6 +135,12 @@ class Adam(torch.optim.Optimizer):
                 elif st is not self._state:
                     raise HeteroConfigError("params come from two HeteroModules; expected one per optimizer")
                 chunk, slot = st.slot_of[id(p)]
+                if id(p) in seen:  # (torch steps it once per listing, hetero once per parameter)
+                    raise HeteroConfigError(
+                        f"params lists the parameter {slot.names[0]!r} twice in one group; torch warns "
+                        "that this is deprecated (it updates the parameter twice per step() and will "
+                        "refuse it); expected each parameter once")
+                seen.add(id(p))
                 if not chunk.requires_grad:
                     self._frozen.append((p, slot.names[0]))
             self._check_frozen()
@@ -149,6 +156,8 @@ class Adam(torch.optim.Optimizer):
         """Make this optimizer the owner of ``params``' state, restarting what another left."""
         me = weakref.ref(self)
         slots = [self._state.slot_of[id(p)] for p in params]
+        # An earlier step's postponed updates count their steps when they run: run them first.
+        self._state.runtime.catch_up({c.blocks[PARAM].chunk_id for c, _ in slots})
         stale = [(c, s) for c, s in slots if s.step and (s.owner is None or s.owner() is not self)]
         if stale:
             log.info("hetero: %d parameter(s) had the state of an earlier optimizer; it restarts",
@@ -750,19 +759,26 @@ class _StateView(collections.abc.Mapping):
         self._slots = {} if st is None else {
             id(p): (p, *st.slot_of[id(p)]) for g in opt.param_groups for p in g["params"]}
 
-    def _has(self, slot: ParamSlot) -> bool:
-        self._opt._state.runtime.check_open()  # (a closed model's state is gone)
-        return bool(slot.step) and slot.owner is not None and slot.owner() is self._opt
+    def _has(self, found: Iterable[tuple[torch.Tensor, Chunk, ParamSlot]]) -> list[torch.Tensor]:
+        """Those of ``found``'s parameters that have a state of this optimizer. Their chunks'
+        postponed updates run first: a step counts when its update runs (Runtime.postpone)."""
+        found = list(found)
+        if not found:
+            return []
+        rt = self._opt._state.runtime
+        rt.check_open()  # (a closed model's state is gone)
+        rt.catch_up({chunk.blocks[PARAM].chunk_id for _, chunk, _ in found})
+        return [p for p, _, slot in found
+                if slot.step and slot.owner is not None and slot.owner() is self._opt]
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """A parameter without a state reads as ``{}``, as in torch's ``defaultdict(dict)``
         (``get`` still gives its default)."""
         found = self._slots.get(id(param))
-        if found is None or not self._has(found[2]):
+        if found is None or not self._has([found]):
             return {}
         _, chunk, slot = found
         rt = self._opt._state.runtime
-        rt.catch_up({chunk.blocks[PARAM].chunk_id})
         entry = {"step": torch.tensor(float(slot.step), dtype=torch.float32)}
         for kind in (EXP_AVG, EXP_AVG_SQ):
             entry[kind] = slot.slice(rt.read(chunk.blocks[kind])).clone()
@@ -773,13 +789,13 @@ class _StateView(collections.abc.Mapping):
 
     def __contains__(self, param: object) -> bool:
         found = self._slots.get(id(param))
-        return found is not None and self._has(found[2])
+        return found is not None and bool(self._has([found]))
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return (p for p, _, slot in self._slots.values() if self._has(slot))
+        return iter(self._has(self._slots.values()))
 
     def __len__(self) -> int:
-        return sum(1 for _, _, slot in self._slots.values() if self._has(slot))
+        return len(self._has(self._slots.values()))
 
     def __repr__(self) -> str:
         return f"<hetero optimizer state: {len(self)} parameter(s) with a step>"
