@@ -36,7 +36,7 @@ OUT_DIR="${OUT:-/tmp}"
 mkdir -p "$OUT_DIR"
 exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
-unset HETERO_FORCE_PYTHON_COPY HETERO_FORCE_PYTHON_IO
+unset HETERO_FORCE_PYTHON_COPY HETERO_IO_BACKEND
 START=$(date +%s)
 STEP_START=$START
 elapsed() { echo $(( $(date +%s) - START )); }

@@ -52,7 +52,7 @@ Backends (``backend=`` or ``HETERO_IO_BACKEND``; ``auto`` by default):
   blocking pread/pwrite of one sub-request each, at most ``queue_depth`` at once (what ``auto``
   falls back to).
 - ``python``: a pure-Python pool of ``os.pread``/``os.pwrite``, used when the extension is not
-  built (one RuntimeWarning) or forced (``HETERO_FORCE_PYTHON_IO=1``, or ``backend="python"``);
+  built (one RuntimeWarning) or chosen (``HETERO_IO_BACKEND=python``, or ``backend="python"``);
   whole requests, no splitting.
 
 Tuning: the first ``open`` of a SwapIO whose ``block_size``/``queue_depth`` were not both given
@@ -255,16 +255,13 @@ def _check_tuning(block_size: int, queue_depth: int, source: str) -> None:
 
 
 def _resolve_backend(backend: Optional[str]) -> str:
-    """The backend to run: the argument, else HETERO_FORCE_PYTHON_IO / HETERO_IO_BACKEND, else
-    auto, resolved against what this build and kernel offer. HeteroConfigError for a backend
-    that is unknown or unavailable here."""
+    """The backend to run: the argument, else HETERO_IO_BACKEND, else auto, resolved against
+    what this build and kernel offer. HeteroConfigError for a backend that is unknown or
+    unavailable here."""
     source = f"SwapIO(backend=...): backend={backend!r}"
     if backend is None:
-        if os.environ.get("HETERO_FORCE_PYTHON_IO", "") not in ("", "0"):
-            backend, source = "python", "HETERO_FORCE_PYTHON_IO"
-        else:
-            backend = _env_value("HETERO_IO_BACKEND") or "auto"
-            source = f"{_ENV}HETERO_IO_BACKEND={backend!r}"
+        backend = _env_value("HETERO_IO_BACKEND") or "auto"
+        source = f"{_ENV}HETERO_IO_BACKEND={backend!r}"
     if backend not in BACKENDS:
         raise HeteroConfigError(f"{source} is not accepted; expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -376,7 +373,7 @@ def _read_cache(path: Path) -> Optional[dict]:
             return None
         try:
             data = json.load(f)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # (RecursionError: nesting too deep)
             log.warning("ignoring unreadable swap I/O tuning cache %s (%s)", path, exc)
             return {}
     return data if isinstance(data, dict) else {}
@@ -427,7 +424,7 @@ def _cached(cache: Path, entries: Optional[dict], key: str) -> Optional[Tuning]:
         hit = Tuning(int(entry["block_size"]), int(entry["queue_depth"]), "cache",
                      entry.get("read_GBps"), entry.get("write_GBps"), key)
         _check_tuning(hit.block_size, hit.queue_depth, f"tuning cache {cache}")
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, KeyError, ValueError, OverflowError):  # (JSON reads 1e999 as infinity)
         return None
     return hit
 
@@ -654,7 +651,7 @@ class SwapIO:
 
     ``num_threads``: workers of the python backend, and the least the threads backend starts
     (it runs ``max(num_threads, queue_depth)``). ``backend``: None reads
-    HETERO_FORCE_PYTHON_IO / HETERO_IO_BACKEND, default "auto". ``block_size`` / ``queue_depth``:
+    HETERO_IO_BACKEND, default "auto". ``block_size`` / ``queue_depth``:
     None takes HETERO_IO_BLOCK_SIZE / HETERO_IO_QUEUE_DEPTH, else the auto-tuned value (probe or
     cache, on the first open). ``checksum``: None reads HETERO_IO_CHECKSUM (default off).
     ``autotune``: None reads HETERO_IO_AUTOTUNE (default on); off keeps 1 MiB / 32.

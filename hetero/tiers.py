@@ -26,6 +26,7 @@ import torch
 
 from . import copies, engine
 from .errors import HeteroConfigError, HeteroIOError
+from .interrupts import critical
 
 log = logging.getLogger(__name__)
 
@@ -507,9 +508,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@critical
 def _release_once(finalizer: "list[weakref.finalize]", *args: Any) -> None:
     """:func:`_release`, and off atexit's list (whether it runs from close(), a garbage
-    collection or the exit itself)."""
+    collection or the exit itself). Critical: a second Ctrl-C during the exit's clean-up (atexit
+    runs outside hetero's calls) would leave the swap directory half removed."""
     atexit.unregister(finalizer[0])
     _release(*args)
 

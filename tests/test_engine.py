@@ -44,7 +44,6 @@ def make_io(backend: str, **kwargs) -> engine.SwapIO:
 
 @pytest.fixture(params=["io_uring", "threads", "python"])
 def io(request, monkeypatch):
-    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
     swap_io = make_io(request.param)
     assert swap_io.backend == request.param and swap_io.checksum
     yield swap_io
@@ -395,7 +394,6 @@ def test_missing_extension_falls_back_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(engine, "_C", None)
     monkeypatch.setattr(engine, "EXTENSION_ERROR", "ImportError: simulated")
     monkeypatch.setattr(engine, "_warned", False)
-    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
     with pytest.warns(RuntimeWarning, match="hetero._C is not available.*simulated"):
         io = engine.SwapIO(1)
     assert io.backend == "python" and not engine.has_extension()
@@ -409,7 +407,6 @@ def test_missing_extension_falls_back_with_one_warning(monkeypatch, tmp_path):
 def test_extension_is_built_in_ci(monkeypatch):
     assert engine.has_extension(), engine.EXTENSION_ERROR
     assert engine.EXTENSION_ERROR is None
-    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
     with engine.SwapIO(1) as io:
         assert io.backend in NATIVE
     if engine.available_backends()[0] != "io_uring":  # .ci/run installs liburing-dev, best effort
@@ -573,7 +570,6 @@ def test_an_interrupted_wait_leaves_the_handle_pending(monkeypatch, tmp_path, ti
 
 
 def test_backend_selection(monkeypatch):
-    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
     monkeypatch.delenv("HETERO_IO_BACKEND", raising=False)
     native = engine.has_extension()
     with engine.SwapIO(1, block_size=BLOCK, queue_depth=DEPTH) as io:
@@ -582,13 +578,13 @@ def test_backend_selection(monkeypatch):
         monkeypatch.setenv("HETERO_IO_BACKEND", name)
         with engine.SwapIO(1, block_size=BLOCK, queue_depth=DEPTH) as io:
             assert io.backend == name
-    monkeypatch.setenv("HETERO_IO_BACKEND", "threads" if native else "python")
-    monkeypatch.setenv("HETERO_FORCE_PYTHON_IO", "1")  # the older switch still wins
-    with engine.SwapIO(1) as io:
-        assert io.backend == "python"
+    monkeypatch.setenv("HETERO_IO_BACKEND", "python")
     with engine.SwapIO(1, backend="threads" if native else "python") as io:  # the argument wins
         assert io.backend == ("threads" if native else "python")
-    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO")
+    monkeypatch.setenv("HETERO_FORCE_PYTHON_IO", "1")  # (an older switch, gone: not read)
+    monkeypatch.setenv("HETERO_IO_BACKEND", "threads" if native else "python")
+    with engine.SwapIO(1) as io:
+        assert io.backend == ("threads" if native else "python")
     monkeypatch.setenv("HETERO_IO_BACKEND", "spdk")
     with pytest.raises(HeteroConfigError, match="environment variable HETERO_IO_BACKEND='spdk' is "
                        "not accepted; expected one of auto, io_uring, threads, python"):
@@ -600,7 +596,6 @@ def test_backend_selection(monkeypatch):
 
 @pytest.mark.skipif(not engine.has_extension(), reason="needs hetero._C")
 def test_io_uring_unavailable_falls_back_to_threads(monkeypatch):
-    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
     monkeypatch.delenv("HETERO_IO_BACKEND", raising=False)
     monkeypatch.setattr(engine._C, "io_uring_available", lambda: (False, "simulated: ENOSYS"))
     assert engine.available_backends() == ["threads", "python"]
@@ -660,7 +655,6 @@ def test_python_backend_reports_the_tuning_it_was_given():
 def test_bad_io_environment_values_are_config_errors(monkeypatch, name, value, accepted):
     """Every invalid HETERO_IO_* value is a HeteroConfigError naming the variable, the value and
     what is accepted (they were plain ValueErrors, some naming only SwapIO's argument)."""
-    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
     monkeypatch.setenv(name, value)
     expected = f"environment variable {name}={value!r} is not accepted; expected {accepted}"
     with pytest.raises(HeteroConfigError, match=re.escape(expected)):
@@ -852,7 +846,7 @@ def tuning_cache(tmp_path, monkeypatch):
     path = tmp_path / "cache" / "io_tuning.json"
     monkeypatch.setenv("HETERO_IO_TUNING_CACHE", str(path))
     for name in ("HETERO_IO_BLOCK_SIZE", "HETERO_IO_QUEUE_DEPTH", "HETERO_IO_AUTOTUNE",
-                 "HETERO_FORCE_PYTHON_IO", "HETERO_IO_BACKEND"):
+                 "HETERO_IO_BACKEND"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(engine, "_tune_memo", {})
     return path
@@ -894,6 +888,13 @@ def test_tuning_cache_round_trip(tmp_path, tuning_cache, fake_probe):
     engine._tune_memo.clear()
     assert engine.tune(data).source == "probe" and len(fake_probe) == 3
     assert json.loads(tuning_cache.read_text())[key]["queue_depth"] == 12
+    # So is one that Python's JSON reads but no entry can come from: an infinite block size
+    # (1e999) raised OverflowError from every wrap on the file system, nesting too deep a
+    # RecursionError.
+    for n, damaged in enumerate(('{"%s": {"block_size": 1e999, "queue_depth": 32}}' % key, "[" * 100000)):
+        tuning_cache.write_text(damaged)
+        engine._tune_memo.clear()
+        assert engine.tune(data).source == "probe" and len(fake_probe) == 4 + n
 
 
 @pytest.mark.skipif(not engine.has_extension(), reason="only the native backends are tuned")

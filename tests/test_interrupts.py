@@ -5,6 +5,7 @@ a runtime that failed every later call)."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -96,3 +97,24 @@ def test_a_program_handler_chaining_ours_then_another_wrap_does_not_loop(tmp_pat
         signal.signal(signal.SIGINT, previous)
         first.close()
     assert interrupts._previous is not None
+
+
+def test_sigint_during_the_exit_clean_up_still_removes_the_swap(tmp_path, monkeypatch) -> None:
+    """The swap directory's removal at interpreter exit runs from atexit, outside hetero's
+    calls: a second Ctrl-C landing in it interrupted the removal and left the directory (swap
+    files half deleted). Held until the clean-up is done, as inside hetero's calls."""
+    from hetero import engine
+
+    model = hetero.wrap(seeded_gpt(), **budgets(state_bytes(seeded_gpt()), 0.2, 0.3, tmp_path), chunk_size="8KiB")
+    swap = model._hetero_state.runtime.storage.swap
+    assert os.path.isdir(swap.dir)
+    shutdown = engine.SwapIO.shutdown
+
+    def interrupted(self, *args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return shutdown(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.SwapIO, "shutdown", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        swap._finalizer()  # as atexit calls it
+    assert not os.path.exists(swap.dir)

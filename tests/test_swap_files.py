@@ -433,7 +433,7 @@ def test_the_tuning_probe_stays_within_the_nvme_budget(tmp_path, monkeypatch):
         pytest.skip("only the native backends are tuned")
     monkeypatch.setenv("HETERO_IO_TUNING_CACHE", str(tmp_path / "fresh" / "io_tuning.json"))
     for name in ("HETERO_IO_BLOCK_SIZE", "HETERO_IO_QUEUE_DEPTH", "HETERO_IO_AUTOTUNE",
-                 "HETERO_FORCE_PYTHON_IO", "HETERO_IO_BACKEND"):
+                 "HETERO_IO_BACKEND"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(engine, "_tune_memo", {})
     probed = []
@@ -461,7 +461,6 @@ def test_the_tuning_probe_stays_within_the_nvme_budget(tmp_path, monkeypatch):
 def test_a_bad_io_environment_value_is_a_config_error_from_wrap(tmp_path, monkeypatch, name, value):
     """wrap refuses an invalid HETERO_IO_* value with a HeteroConfigError naming it, before
     anything moves; without an NVMe tier the variables are not used, so not checked."""
-    monkeypatch.delenv("HETERO_FORCE_PYTHON_IO", raising=False)
     monkeypatch.setenv(name, value)
     model = make_model()
     total = state_bytes(model)
