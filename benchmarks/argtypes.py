@@ -2,7 +2,8 @@
 
 The factories return argparse ``type=`` callables: a bad value raises ``argparse.ArgumentTypeError``,
 which argparse reports as one usage error line naming the option (exit status 2), not a traceback.
-``make_dir`` and ``writable_dir`` check paths after parsing, through ``parser.error``. The scripts
+``make_dir``, ``writable_dir`` and ``output_file`` check paths after parsing, through
+``parser.error``; ``end_on_sigterm`` lets a terminated script run its clean-ups. The scripts
 import this module as a sibling (``import argtypes``, with benchmarks/ put on sys.path), after the
 checkout's root is on sys.path for ``hetero``.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import threading
 from collections.abc import Callable
 
 import torch
@@ -132,3 +135,29 @@ def writable_dir(parser: argparse.ArgumentParser, option: str, path: str) -> Non
     """A usage error unless ``path`` of ``option`` is an existing directory this process can write in."""
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
         parser.error(f"argument {option}: {path!r} is not an existing writable directory")
+
+
+def output_file(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
+    """A usage error unless ``path`` of ``option`` (a file the script writes when it is done) can
+    be written: checked before the run, whose results would otherwise be lost at its end. None
+    (the option not given) is left alone."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path)) if path else ""
+    if not path or os.path.isdir(path):
+        parser.error(f"argument {option}: {path!r} is a directory; expected a file path")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"argument {option}: {path!r}: {folder!r} is not an existing writable directory")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        parser.error(f"argument {option}: {path!r} is not writable")
+
+
+def end_on_sigterm() -> None:
+    """End the script on SIGTERM (``timeout``, a scheduler) as on an exception, exit status 143,
+    so that its clean-ups run: the swap and scratch directories it made (bench_nvme writes a GiB
+    per contender) are removed, not left behind as a kill leaves them."""
+    def terminated(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)

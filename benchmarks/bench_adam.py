@@ -198,13 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the tracked figures here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    argtypes.output_file(parser, "--json", args.json)
+    argtypes.end_on_sigterm()
     sizes, threads = args.sizes, args.threads
-    if args.json:  # refused now, not after the run
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json):
-            parser.error(f"argument --json: {args.json!r} is a directory; expected a file path")
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            parser.error(f"argument --json: {args.json!r}: {folder!r} is not a writable directory")
 
     if not K.has_kernel():
         print("hetero._C is not built with the CPU Adam kernel: pip install --no-build-isolation -e .")

@@ -350,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA part")
     parser.add_argument("--json", metavar="PATH", help="write the figures here")
     args = parser.parse_args(argv)
+    argtypes.output_file(parser, "--json", args.json)
+    argtypes.end_on_sigterm()
     sizes = args.sizes or _sizes("1M,64M" if args.quick else "64K,1M,16M,256M")
     reps = args.reps or (5 if args.quick else 9)
     cuda = torch.cuda.is_available() and not args.no_cuda

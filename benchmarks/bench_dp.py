@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.json:  # refused now, not after the run
-        argtypes.writable_dir(p, "--json", os.path.dirname(os.path.abspath(args.json)))
+    argtypes.output_file(p, "--json", args.json)
+    argtypes.end_on_sigterm()
     if args.quick:
         args.steps, args.turn = 6, 3
     with tempfile.TemporaryDirectory(prefix="hetero-bench-dp-") as tmp:

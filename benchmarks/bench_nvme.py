@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only these contenders")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
+    argtypes.output_file(p, "--json", args.json)
+    argtypes.end_on_sigterm()
 
     size = args.size or (256 << 20 if args.quick else 1 << 30)
     request = args.request

@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    argtypes.output_file(p, "--json", args.json)
+    argtypes.end_on_sigterm()
     n = args.params
     argtypes.make_dir(p, "--nvme-path", args.nvme_path)
     swap_dir = tempfile.mkdtemp(prefix="bench-nvme-step-", dir=args.nvme_path or ".")

@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    argtypes.output_file(p, "--json", args.json)
+    argtypes.end_on_sigterm()
     steps = 8 if args.quick else args.steps
     if args.turn < 1:
         p.error(f"--turn {args.turn}: expected a number of steps >= 1")

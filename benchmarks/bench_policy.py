@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--plot", metavar="PNG", default=None,
                     help="write the plot there (the committed one: benchmarks/policy.png)")
     args = ap.parse_args(argv)
+    argtypes.output_file(ap, "--json", args.json)
+    argtypes.output_file(ap, "--plot", args.plot)
+    argtypes.end_on_sigterm()
     if args.quick:
         args.steps, args.budgets = 6, [0.25]
     results = []

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    argtypes.output_file(p, "--json", args.json)
+    argtypes.end_on_sigterm()
     chunks = args.chunks
     rows = {}
     for name in tqdm(chunks, desc="chunk sizes", disable=args.no_progress):

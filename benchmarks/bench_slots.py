@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                    default=["256KiB", "1MiB", "4MiB", "64MiB"])
     p.add_argument("--json", default=None, help="write the rows as JSON")
     args = p.parse_args(argv)
+    argtypes.output_file(p, "--json", args.json)
+    argtypes.end_on_sigterm()
     try:
         rows = [overhead(m, c, bf16) for m in args.models for c in args.chunks for bf16 in (False, True)]
     except hetero.HeteroConfigError as exc:  # refused by hetero.wrap (arithmetic only: nothing ran)

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", type=argtypes.device, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = ap.parse_args(argv)
+    argtypes.end_on_sigterm()
     print(f"hetero mixed precision against torch's fp32-master recipe on {args.device} "
           f"(torch {torch.__version__})")
     for variant in args.variants:

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also train the same model in eager PyTorch and compare")
     parser.add_argument("--json", metavar="PATH", help="write the report and figures as JSON")
     args = parser.parse_args(argv)
+    argtypes.output_file(parser, "--json", args.json)
+    argtypes.end_on_sigterm()
     # Bad values are usage errors up front, not tracebacks from inside the run.
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--threads", args.threads)):
         if value is not None and value < 1:

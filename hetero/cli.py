@@ -50,6 +50,7 @@ DEFAULT_BATCH = 8
 DEFAULT_CHUNK = "1MiB"
 DEVICE_FRACTION = 5  # device budget = state / 5
 HOST_FRACTION = 4  # host budget = state / 4
+MAX_THREADS = 1024  # --threads above this (and 4 per core) is a typo, not a machine
 
 
 @dataclasses.dataclass
@@ -126,13 +127,31 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool) -> Budgets:
+def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool,
+                    nvme_budget: Any = None) -> Budgets:
     dev = parse_size(device_budget, "device_budget") or state // DEVICE_FRACTION
     # Without NVMe the host holds what the device does not (else the defaults could not train).
     host = parse_size(host_budget, "host_budget") or (state // HOST_FRACTION if nvme else state)
-    # NVMe holds the rest. Its cap is twice the state: a block has at most one copy there, so it
-    # never fills up, whatever mix of sole and clean copies (and swap-file fragmentation) it holds.
-    return Budgets(state=state, device=dev, host=host, nvme=2 * state if nvme else None)
+    # NVMe holds the rest. Its default cap is twice the state: a block has at most one copy
+    # there, so it never fills up, whatever mix of sole and clean copies (and swap-file
+    # fragmentation) it holds.
+    if nvme_budget is not None and not nvme:
+        raise HeteroConfigError(f"nvme_budget={nvme_budget!r} with no_nvme=True: expected one of them")
+    swap = (parse_size(nvme_budget, "nvme_budget") or 2 * state) if nvme else None
+    return Budgets(state=state, device=dev, host=host, nvme=swap)
+
+
+def check_batch(batch_size: int, seq_len: int) -> None:
+    """Refuse a batch whose token ids alone (inputs and targets, int64) exceed the memory
+    available now: it could only fail later, after the model was wrapped and its swap made."""
+    import psutil
+
+    need, available = 2 * 8 * batch_size * seq_len, psutil.virtual_memory().available
+    if need > available:
+        raise HeteroConfigError(
+            f"batch_size={batch_size}: {batch_size} sequences of {seq_len} tokens need "
+            f"{format_size(need)} for their token ids alone, more than the {format_size(available)} "
+            f"of memory available; expected at most {available // (16 * seq_len)} sequences")
 
 
 @contextlib.contextmanager
@@ -185,7 +204,7 @@ def nvme_dir(path: str | None, disabled: bool) -> Iterator[str | None]:
 def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_size: int = DEFAULT_BATCH,
         lr: float = 1e-3, device: str | None = None, device_budget: Any = None,
         host_budget: Any = None, nvme_path: str | None = None, no_nvme: bool = False,
-        chunk_size: str = DEFAULT_CHUNK, policy: str = "auto", seed: int = 0,
+        nvme_budget: Any = None, chunk_size: str = DEFAULT_CHUNK, policy: str = "auto", seed: int = 0,
         progress: bool = True, desc: str = "hetero train",
         on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
         on_wrap: Callable[[Any], None] | None = None) -> RunResult:
@@ -201,11 +220,13 @@ def run(model_name: str = DEFAULT_MODEL, steps: int = DEFAULT_STEPS, *, batch_si
         if not isinstance(value, int) or value < 1:
             raise HeteroConfigError(f"{name}={value!r} is not accepted; expected a whole number >= 1")
     cfg = models.get_config(model_name)
+    check_batch(batch_size, cfg.block_size)
     dev = resolve_device(device)
     torch.manual_seed(seed)
     model = models.GPT(cfg)
     params = model.num_params()
-    budgets = default_budgets(models.state_bytes(model), device_budget, host_budget, not no_nvme)
+    budgets = default_budgets(models.state_bytes(model), device_budget, host_budget, not no_nvme,
+                              nvme_budget)
     losses: list[float] = []
     times: list[float] = []
     start = time.perf_counter()
@@ -308,6 +329,8 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
     nvme.add_argument("--nvme-path", default=None,
                       help="directory for swap files (default: a temporary directory, removed afterwards)")
     nvme.add_argument("--no-nvme", action="store_true", help="disable the NVMe tier")
+    p.add_argument("--nvme-budget", default=None,
+                   help="bytes of swap files, e.g. 1GiB (default: 2x the state)")
     p.add_argument("--chunk-size", default=DEFAULT_CHUNK, help=f"chunk size (default {DEFAULT_CHUNK})")
     p.add_argument("--policy", default="auto", help="placement policy: auto, opt, hotness, lru, static")
     p.add_argument("--threads", type=int, default=None,
@@ -316,8 +339,9 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
 
 def _set_threads(threads: int | None) -> None:
     if threads is not None:
-        if threads < 1:
-            raise HeteroConfigError(f"--threads {threads}: expected a number of CPU threads >= 1")
+        most = max(MAX_THREADS, 4 * (os.cpu_count() or 1))
+        if not 1 <= threads <= most:
+            raise HeteroConfigError(f"--threads {threads}: expected a number of CPU threads from 1 to {most}")
         torch.set_num_threads(threads)
 
 
@@ -326,8 +350,8 @@ def _run_from_args(args: argparse.Namespace, desc: str,
     _set_threads(args.threads)
     return run(args.model, args.steps, batch_size=args.batch_size, lr=args.lr, device=args.device,
                device_budget=args.device_budget, host_budget=args.host_budget,
-               nvme_path=args.nvme_path, no_nvme=args.no_nvme, chunk_size=args.chunk_size,
-               policy=args.policy, seed=args.seed, progress=not args.no_progress, desc=desc,
+               nvme_path=args.nvme_path, no_nvme=args.no_nvme, nvme_budget=args.nvme_budget,
+               chunk_size=args.chunk_size, policy=args.policy, seed=args.seed, progress=not args.no_progress, desc=desc,
                on_step=on_step)
 
 
@@ -352,6 +376,8 @@ def _check_writable(path: str | None, what: str, directory: bool = False) -> Non
     cannot be written, before the run rather than after it."""
     if path is None:
         return
+    if not path:
+        raise HeteroConfigError(f"{what} '': expected a path")
     path = os.path.abspath(path)
     if os.path.isdir(path) != directory and os.path.exists(path):
         raise HeteroConfigError(f"{what} {path!r} exists and is {'not ' if directory else ''}a directory")
@@ -460,8 +486,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _check_writable(args.json, "--json")
     _set_threads(args.threads)
     result = plan(args.model, device_budget=args.device_budget, host_budget=args.host_budget,
-                  nvme_path=args.nvme_path, no_nvme=args.no_nvme, chunk_size=args.chunk_size,
-                  policy=args.policy, batch_size=args.batch_size, seq_len=args.seq_len,
+                  nvme_path=args.nvme_path, no_nvme=args.no_nvme, nvme_budget=args.nvme_budget,
+                  chunk_size=args.chunk_size, policy=args.policy, batch_size=args.batch_size, seq_len=args.seq_len,
                   device=args.device, steps=args.steps, compute_tflops=args.compute_tflops,
                   h2d_GBps=args.h2d_gbps, d2h_GBps=args.d2h_gbps, nvme_read_GBps=args.nvme_read_gbps,
                   nvme_write_GBps=args.nvme_write_gbps, adam_Gparams=args.adam_gparams,

@@ -64,7 +64,8 @@ def parse_size(value: SizeLike, name: str, *, allow_none: bool = True) -> Option
         raise HeteroConfigError(f"{name}={value!r} ({type(value).__name__}) is not a size; "
                                 f"expected {accepted}")
     if nbytes <= 0:
-        raise HeteroConfigError(f"{name}={value!r} must be a positive size; expected {accepted}")
+        whole = " (sizes are whole bytes: it rounds down to 0)" if isinstance(value, str) and float(m.group(1)) > 0 else ""
+        raise HeteroConfigError(f"{name}={value!r} must be a positive size{whole}; expected {accepted}")
     return nbytes
 
 

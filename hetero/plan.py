@@ -275,7 +275,8 @@ class Plan:
 
 
 def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
-         nvme_path: Optional[str] = None, no_nvme: bool = False, chunk_size: Any = "1MiB",
+         nvme_path: Optional[str] = None, no_nvme: bool = False, nvme_budget: Any = None,
+         chunk_size: Any = "1MiB",
          policy: str = "auto", batch_size: int = 8, seq_len: Optional[int] = None,
          device: Optional[str] = None, steps: int = 4, machine: Optional[Machine] = None,
          **given: Optional[float]) -> Plan:
@@ -294,6 +295,7 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
         raise HeteroConfigError(f"seq_len={seq_len}: expected 1..{cfg.block_size} (the {model_name} model's block size)")
     if batch_size < 1:
         raise HeteroConfigError(f"batch_size={batch_size}: expected >= 1")
+    cli.check_batch(batch_size, seq_len)
     fields = {f.name for f in dataclasses.fields(Machine)} - {"source"}
     for name, value in given.items():
         if name not in fields:
@@ -307,7 +309,8 @@ def plan(model_name: str, *, device_budget: Any = None, host_budget: Any = None,
 
     with cli.nvme_dir(nvme_path, no_nvme) as swap:
         res = cli.run(model_name, steps, batch_size=1, device="cpu", device_budget=device_budget,
-                      host_budget=host_budget, nvme_path=swap, no_nvme=no_nvme, chunk_size=chunk_size,
+                      host_budget=host_budget, nvme_path=swap, no_nvme=no_nvme, nvme_budget=nvme_budget,
+                      chunk_size=chunk_size,
                       policy=policy, progress=False, desc="hetero plan", on_wrap=layout)
         if machine is None:
             machine = measure_machine(cfg, compute_device, batch_size, seq_len, swap,

@@ -816,8 +816,12 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
     if nvme:
         held["nvme"] = cfg.nvme_budget // slot * slot
     if total > sum(held.values()):
+        kinds = {b.kind for c in chunks for b in c.blocks.values()}
+        words = [w for k, w in (("param", "parameters"), ("grad", "gradients"),
+                                ("master", "fp32 master copies")) if k in kinds]
         raise HeteroOOMError(
-            f"the model's parameters and gradients need {exact_size(total)} (below the device in "
+            f"the model's {', '.join(words[:-1]) + ' and ' if len(words) > 1 else ''}{words[-1]} need "
+            f"{exact_size(total)} (below the device in "
             f"{format_size(slot)} slots) but the tiers hold {exact_size(sum(held.values()))} "
             f"({', '.join(f'{n} {exact_size(b)}' for n, b in held.items())}); {raise_budget_advice(nvme)}")
 

@@ -51,6 +51,13 @@ CASES = [
     ("bench_dp.py", ["--ranks", "1"], "argument --ranks: '1' is not a number of ranks >= 2"),
     ("bench_dp.py", ["--steps", "2"], "argument --steps: '2' is not"),
     ("bench_dp.py", ["--json", f"{MISSING}/x.json"], "argument --json:"),
+] + [  # Every output path is checked before the run (these wrote it after, and lost the results).
+    (script, [option, f"{MISSING}/x.out"], f"argument {option}:")
+    for script, option in (("bench_copy.py", "--json"), ("bench_runtime.py", "--json"),
+                           ("bench_slots.py", "--json"), ("bench_policy.py", "--json"),
+                           ("bench_policy.py", "--plot"), ("train_oversized.py", "--json"),
+                           ("bench_nvme.py", "--json"), ("bench_overlap.py", "--json"),
+                           ("bench_nvme_step.py", "--json"))
 ]
 
 
@@ -125,3 +132,26 @@ def test_overlap_least_steps_is_true(load):
     for turn in range(1, 40):
         least = next(n for n in range(200) if turns(n, turn)[2] >= 1)
         assert all(turns(n, turn)[2] >= 1 for n in range(least, 400)), turn
+
+
+def test_a_terminated_benchmark_removes_its_scratch_directory(tmp_path):
+    """SIGTERM (``timeout``, a scheduler) ends a benchmark through its clean-ups, exit status
+    143: bench_nvme killed mid-run left its .bench_nvme-* directory (a GiB per contender by
+    default, in the checkout by default)."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(BENCH / "bench_nvme.py"), "--dir", str(tmp_path), "--only",
+                             "python", "--size", "64MiB", "--rounds", "50"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".bench_nvme-*/*")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        proc.kill()
+    assert not list(tmp_path.glob(".bench_nvme-*"))

@@ -479,8 +479,12 @@ def test_wraps_capacity_check_counts_slots_as_the_tiers_charge_them() -> None:
     need = int(re.search(r"need (\d+) bytes", str(info.value)).group(1))
     host = -(-(need - kw["device_budget"]) // 4096) * 4096
     hetero.wrap(_Tiny(), host_budget=host, **kw).close()
-    with pytest.raises(hetero.HeteroOOMError, match="need"):
+    with pytest.raises(hetero.HeteroOOMError, match="parameters and gradients need"):
         hetero.wrap(_Tiny(), host_budget=host - 4096, **kw)
+    # With mixed precision the fp32 master copies are there from wrap on, and counted: said so.
+    with pytest.raises(hetero.HeteroOOMError, match="parameters, gradients and fp32 master copies need"):
+        hetero.wrap(_Tiny(), host_budget=4096, mixed_precision=hetero.MixedPrecision(param_dtype=torch.bfloat16),
+                    **dict(kw, device_budget=4096))
 
 
 def test_parameters_chunks_cannot_hold_are_refused_naming_them():

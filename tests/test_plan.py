@@ -141,6 +141,10 @@ def test_cli_plan_measures_this_machine_and_writes_json(tmp_path, capsys) -> Non
     (["--h2d-gbps", "nan"], "h2d_GBps"),
     (["--device", "foo"], "device"),
     (["--threads", "0"], "--threads"),
+    (["--threads", "99999999999999"], "--threads"),  # (torch's overflow traceback)
+    (["--batch-size", str(10 ** 23)], "batch_size"),  # (a traceback after the dry run)
+    (["--host-budget", "0.4"], "rounds down to 0"),  # (said "must be positive" of 0.4)
+    (["--json", ""], "--json ''"),  # (named the current directory)
 ])
 def test_cli_plan_refuses_bad_input_by_name(capsys, args: list[str], names: str) -> None:
     assert cli.main(["plan", "--model", "tiny", "--no-nvme", *args]) == 2

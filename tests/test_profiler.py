@@ -261,6 +261,16 @@ def test_the_cli_trains_without_nvme_on_its_default_budgets(capsys) -> None:
     assert "nvme   capacity" not in report and "host->nvme 0 B" in report
 
 
+def test_the_cli_takes_an_nvme_budget(capsys, tmp_path) -> None:
+    """--nvme-budget caps the swap files (it was fixed at 2x the state: on a small file system
+    the CLI refused what the API trains, advising an option it did not have)."""
+    assert cli.main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--nvme-budget", "8MiB",
+                     "--nvme-path", str(tmp_path), "--no-progress", "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["tiers"]["nvme"]["capacity"] == 8 << 20
+    assert cli.main(["train", "--model", "tiny", "--nvme-budget", "8MiB", "--no-nvme"]) == 2
+    assert "nvme_budget='8MiB' with no_nvme=True" in capsys.readouterr().err
+
+
 def test_hetero_profile_makes_a_nested_output_directory(tmp_path) -> None:
     out = tmp_path / "a" / "b"
     assert cli.main(["profile", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--chunk-size", "64KiB",

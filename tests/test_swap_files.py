@@ -205,6 +205,14 @@ def test_a_closed_model_refuses_further_use(tmp_path):
         with pytest.raises(hetero.HeteroStateError, match="closed"):
             call()
     assert model.placement_report().as_dict()["steps"] == 2
+    # Closed right after the first step: its updates were still postponed (close drops them), so
+    # no state had a step count, and opt.state_dict() returned an empty state, silently.
+    model = wrap_on_nvme(tmp_path)
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, opt, steps=1)
+    model.close()
+    with pytest.raises(hetero.HeteroStateError, match="closed"):
+        opt.state_dict()
 
 
 class Boom(RuntimeError):

@@ -604,6 +604,7 @@ class Adam(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if self._state is not None:
+            self._state.runtime.check_open()  # (its states are gone: an empty state would be silent)
             self._check_owner()
         groups = []
         index = itertools.count()
