@@ -431,6 +431,18 @@ def _case_budget_fails_on_one_rank(rank: int, where: Path) -> None:
         kw["device_budget"] = 1024
     with pytest.raises(hetero.HeteroConfigError, match="device_budget" if rank == 1 else "another rank"):
         hetero.wrap(seeded_gpt(), **kw)
+    # The optimizer's capacity check too (found in review: rank 1 raised alone, and rank 0 died
+    # at its next collective): a host budget that holds parameters and gradients but not the
+    # Adam states on rank 1 refuses the optimizer on both.
+    from models import state_bytes
+
+    if rank == 1:
+        kw = dict(kw, device_budget=state_bytes(seeded_gpt()) // 4, host_budget=state_bytes(seeded_gpt()) // 2)
+    wrapped = hetero.wrap(seeded_gpt(), **kw)
+    with pytest.raises(hetero.HeteroOOMError, match="optimizer states need" if rank == 1 else "another rank"):
+        hetero.optim.AdamW(wrapped.parameters())
+    wrapped.close()
+    hetero.wrap(seeded_gpt(), **_budgets("device25_host", where / "again")).close()  # (still in step)
 
 
 def _case_bad_argument_on_one_rank(rank: int, where: Path) -> None:

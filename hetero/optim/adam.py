@@ -144,7 +144,13 @@ class Adam(torch.optim.Optimizer):
                 if not chunk.requires_grad:
                     self._frozen.append((p, slot.names[0]))
             self._check_frozen()
-            self._check_capacity()
+            rep = self._state.replicas
+            if rep is None:
+                self._check_capacity()
+            else:  # every rank refuses where one must (its peers would die at their next collective)
+                rep.together(self._check_capacity, lambda: HeteroOOMError(
+                    "another rank of the process group cannot hold its optimizer states in its budgets "
+                    "(its error says what they need); expected budgets that hold them on every rank"))
             self._take_over(self.param_groups[-1]["params"])
         except BaseException:
             self.param_groups.pop()
