@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import os
 import re
 import shutil
@@ -39,6 +40,17 @@ HOST_DEFAULT_FRACTION = 0.8
 NVME_DEFAULT_FRACTION = 0.9
 
 
+def _integer(value: Any) -> Optional[int]:
+    """``value`` as an int where it is a whole number of any kind Python can index with (int,
+    numpy's integers, a one-element integer tensor; not bool), else None."""
+    if isinstance(value, (bool, str)):
+        return None
+    try:
+        return operator.index(value)
+    except (TypeError, RuntimeError, ValueError):
+        return None
+
+
 def parse_size(value: SizeLike, name: str, *, allow_none: bool = True) -> Optional[int]:
     """Parse ``4096``, ``"512MiB"``, ``"8GB"`` or ``"1.5GiB"`` into bytes.
 
@@ -52,8 +64,8 @@ def parse_size(value: SizeLike, name: str, *, allow_none: bool = True) -> Option
         raise HeteroConfigError(f"{name}=None is not accepted; expected {accepted}")
     if isinstance(value, bool):
         raise HeteroConfigError(f"{name}={value!r} is not a size; expected {accepted}")
-    if isinstance(value, int):
-        nbytes = value
+    if _integer(value) is not None:  # (an int, numpy's, a one-element integer tensor)
+        nbytes = _integer(value)
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         unit = m.group(2).lower() if m else None
@@ -219,10 +231,11 @@ def parse_policy(policy: Any, name: str = "policy") -> Any:
 
 def parse_prefetch(prefetch: Any, name: str = "prefetch") -> int:
     """Units fetched ahead of use: an int >= 0."""
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+    depth = _integer(prefetch)
+    if depth is None or depth < 0:
         raise HeteroConfigError(f"{name}={prefetch!r} is not accepted; expected an int >= 0 "
                                 "(0 disables prefetch)")
-    return prefetch
+    return depth
 
 
 def _parse_sharding(strategy: Any) -> ShardingStrategy:
@@ -337,7 +350,7 @@ def resolve(
     if path is not None:
         engine.check_environment()  # the HETERO_IO_* settings the swap files will be used with
     chunk = parse_size(chunk_size, "chunk_size", allow_none=False)
-    parse_prefetch(prefetch)
+    prefetch = parse_prefetch(prefetch)
     policy = parse_policy(policy)
     if not isinstance(policy, str):
         from .policies import check_free

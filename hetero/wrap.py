@@ -1081,10 +1081,10 @@ def _prepare(module: nn.Module, replicas: Optional[Replicas], sync_module_states
         raise HeteroConfigError(f"sync_module_states={sync_module_states!r} is not accepted; expected True or False")
     if replicas is not None:
         replicas.check_device(cfg.device)
+    if any(state_of(p) is not None for p in module.parameters()):  # (their storages are chunks)
+        raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
     _check_params(module)
     _check_norm_buffers(module, kwargs["mixed_precision"], cfg.mixed_precision)
-    if any(state_of(p) is not None for p in module.parameters()):
-        raise HeteroConfigError("module's parameters are already managed by another HeteroModule")
 
     wrap_policy = cfg.auto_wrap_policy or default_auto_wrap_policy(module)
     if hasattr(wrap_policy, "_run_policy"):

@@ -236,6 +236,25 @@ def test_parse_size(text, nbytes):
     assert parse_size(text, "x") == nbytes
 
 
+def test_integers_of_other_kinds_are_sizes_and_depths():
+    """A budget computed with numpy (np.prod(shape) * 4) or read from a tensor was refused as
+    "not a size"; whole numbers of any kind are taken, floats (a tensor's too) still are not."""
+    import numpy as np
+
+    from hetero.config import parse_prefetch
+
+    for value in (np.int64(4096), np.uint32(4096), torch.tensor(4096)):
+        assert parse_size(value, "x") == 4096 and type(parse_size(value, "x")) is int
+    assert parse_prefetch(np.int64(3)) == 3 and type(parse_prefetch(np.int64(3))) is int
+    for bad in (np.float64(4096.0), torch.tensor(4096.0), torch.tensor([4096, 1]), np.bool_(True)):
+        with pytest.raises(hetero.HeteroConfigError, match="budget_x"):
+            parse_size(bad, "budget_x")
+    wrapped = hetero.wrap(make_model(), device="cpu", host_budget=np.int64(1 << 20), chunk_size=np.int64(4096),
+                          prefetch=np.int32(1))
+    assert wrapped.placement_report().as_dict()["tiers"]["host"]["capacity"] == 1 << 20
+    wrapped.close()
+
+
 def test_parse_size_none_and_errors():
     assert parse_size(None, "x") is None
     for bad in ("12 parsecs", "abc", -1, 0, 1.5, True, "1.5.3MiB"):
@@ -520,3 +539,19 @@ def test_parameters_over_the_same_memory_are_refused_naming_them():
     tied[1].weight = tied[0].weight
     for model in (apart, tied):
         hetero.wrap(model, device="cpu").close()
+
+
+def test_wrapping_a_wrapped_model_again_is_refused_saying_so():
+    """A HeteroModule, its ``.module``, or a model holding one: refused naming the cause (with a
+    wrapped child of several parameters the message blamed parameter aliasing: hetero's chunks
+    hold them in one storage)."""
+    def mlp() -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+
+    inner = hetero.wrap(mlp(), device="cpu")
+    with pytest.raises(hetero.HeteroConfigError, match="already a HeteroModule"):
+        hetero.wrap(inner, device="cpu")
+    for again in (inner.module, torch.nn.Sequential(torch.nn.Linear(8, 8), inner)):
+        with pytest.raises(hetero.HeteroConfigError, match="already managed by another HeteroModule"):
+            hetero.wrap(again, device="cpu")
+    inner.close()
