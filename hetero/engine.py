@@ -188,7 +188,9 @@ def _env_value(name: str) -> Optional[str]:
     return value or None
 
 
-def _env_flag(name: str) -> Optional[bool]:
+def env_flag(name: str) -> Optional[bool]:
+    """The boolean environment variable ``name`` (None: unset or empty); HeteroConfigError naming
+    it for a value that is not one."""
     value = _env_value(name)
     if value is None:
         return None
@@ -233,8 +235,8 @@ def check_environment() -> None:
     _resolve_backend(None)
     _env_block_size()
     _env_queue_depth()
-    _env_flag("HETERO_IO_CHECKSUM")
-    _env_flag("HETERO_IO_AUTOTUNE")
+    env_flag("HETERO_IO_CHECKSUM")
+    env_flag("HETERO_IO_AUTOTUNE")
 
 
 def _check_block_size(value: object, name: str) -> None:
@@ -669,8 +671,8 @@ class SwapIO:
         qd = self._queue_depth if self._queue_depth is not None else DEFAULT_QUEUE_DEPTH
         _check_tuning(bs, qd, "SwapIO")
         self.checksum = bool(checksum if checksum is not None
-                             else _env_flag("HETERO_IO_CHECKSUM") or False)
-        autotune = autotune if autotune is not None else _env_flag("HETERO_IO_AUTOTUNE")
+                             else env_flag("HETERO_IO_CHECKSUM") or False)
+        autotune = autotune if autotune is not None else env_flag("HETERO_IO_AUTOTUNE")
         self.num_threads = num_threads
         self.tuning: Optional[Tuning] = None
         self._lock = threading.Lock()

@@ -191,6 +191,9 @@ class Report:
                 f.write(json.dumps(ev) + "\n")
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-serializable data (a deep copy): API.md's keys (policy, steps,
+        stall_seconds, tiers, traffic, blocks) and README's additions (per-step lists, prefetch
+        counters, the run's budgets and minimums)."""
         return json.loads(json.dumps(self._summary))  # a deep, JSON-clean copy
 
     def __str__(self) -> str:
@@ -210,7 +213,8 @@ class Report:
         return "\n".join(lines)
 
     def save_access_log(self, path: str) -> None:
-        """JSON Lines, one access per line: step, seq, block, bytes, tier."""
+        """JSON Lines, one access per line: step, seq, block, bytes, tier (API.md's fields), and
+        group (the accesses of one acquire share it) and write."""
         with open(file_path("save_access_log", path), "w") as f:
             for a in self.accesses:
                 f.write(json.dumps(a.as_dict()) + "\n")

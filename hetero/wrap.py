@@ -512,6 +512,10 @@ class HeteroModule(nn.Module):
 
     @critical
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """torch's, with the original keys (with or without the ``module.`` level), copying the
+        values into the chunks wherever they live; all or nothing where a swap transfer fails.
+        ``assign=True`` is refused: hetero's parameters are views of its chunks, not tensors to
+        replace."""
         if assign:
             raise HeteroConfigError("load_state_dict(assign=True) is not supported by hetero; "
                                     "expected assign=False (values are copied into the chunks)")
@@ -617,6 +621,8 @@ class HeteroModule(nn.Module):
         return clip_grad_norm_(self._hetero_state, self.module.parameters(), max_norm, norm_type)
 
     def placement_report(self) -> "Report":
+        """Where the state is and what moved so far (:class:`hetero.Report`: ``as_dict``,
+        Chrome trace, plot, access log, replay); a snapshot, readable after ``close()`` too."""
         from .profiler import Report
 
         return Report.from_state(self._hetero_state)

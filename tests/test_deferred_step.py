@@ -15,7 +15,7 @@ import torch
 import hetero
 from hetero.optim import adam as adam_mod
 from hetero.optim.kernel import has_kernel
-from helpers import default_step
+from helpers import assert_same_model, default_step
 from models import GPT, batches, state_bytes
 
 SLOW = 0.01  # seconds added to every kernel call where a test measures time
@@ -396,4 +396,27 @@ def test_the_steps_wait_for_the_transfers_in_flight_counts_as_stall(monkeypatch,
     drains.clear()
     opt.step()
     assert drains == [True]
+    model.close()
+
+
+def test_a_bad_defer_setting_is_refused_before_the_step_moves_anything(monkeypatch) -> None:
+    """HETERO_DEFER_STEP=bogus meant "on", silently; it is refused as the HETERO_IO_* flags are,
+    at the step, before anything moves, and the step then runs once the value is sound."""
+    torch.manual_seed(0)
+    net = GPT()
+    eager = copy.deepcopy(net)
+    model = hetero.wrap(net, device="cpu", device_budget=state_bytes(net) // 4, chunk_size="8KiB")
+    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    x, y = batches(1, seed=1)[0]
+    for m in (model, eager):
+        m(x, y).backward()
+    monkeypatch.setenv("HETERO_DEFER_STEP", "bogus")
+    with pytest.raises(hetero.HeteroConfigError, match="HETERO_DEFER_STEP='bogus'"):
+        opt.step()
+    assert opt.state_dict()["state"] == {}
+    monkeypatch.setenv("HETERO_DEFER_STEP", "off")
+    opt.step()
+    eager_opt.step()
+    assert_same_model(eager, model)
     model.close()

@@ -27,7 +27,6 @@ import functools
 import itertools
 import logging
 import numbers
-import os
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional
 
@@ -36,6 +35,7 @@ import torch
 from ..chunks import EXP_AVG, EXP_AVG_SQ, GRAD, MASTER, PARAM, Block, Chunk, ParamSlot
 from ..config import exact_size, format_size, raise_budget_advice
 from ..distributed import gather_states, noted
+from ..engine import env_flag
 from ..errors import HeteroConfigError, HeteroIOError, HeteroOOMError, HeteroStateError
 from ..interrupts import critical
 from ..tiers import DEVICE, HOST, NVME
@@ -327,6 +327,8 @@ class Adam(torch.optim.Optimizer):
         """
         if self._state is not None:
             self._state.runtime.check_open()  # (even with no gradient to apply)
+        # Read per step (tests switch it); a bad value is refused here, before anything moves.
+        self._defer = env_flag("HETERO_DEFER_STEP") is not False
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -390,7 +392,7 @@ class Adam(torch.optim.Optimizer):
         st.adopt_grads(p for g in self.param_groups for p in g["params"])
         st.reduce_gradients()
         groups = self._group_index()
-        defer = os.environ.get("HETERO_DEFER_STEP", "1").strip() not in ("0", "false", "no", "off")
+        defer = self._defer
         work = [self._plan(c, runs, groups)
                 for c in self._chunks() if (runs := self._runs(c, groups))]
         updated = [u.chunk for u in work]
