@@ -771,7 +771,10 @@ def _minimum_host_budget(chunk_size: int, nvme: bool, chunks: list[Chunk]) -> in
     slot = slot_size_for(chunk_size, sizes)
     if not nvme:
         return slots_for(max(sizes, default=0), slot) * slot
-    need = slots_for(max(sizes, default=0), slot)
+    # A block staged through the host onto the device while the device's room for it is made:
+    # the blocks it evicts are written back to the host, one at a time, beside it.
+    largest = sorted((slots_for(n, slot) for n in sizes), reverse=True)[:2]
+    need = sum(largest)
     for c in chunks:
         if c.requires_grad:
             step = [slots_for(b.nbytes, slot) for b in c.blocks.values()]

@@ -633,6 +633,40 @@ def test_leaf_units_with_frozen_layers_are_let_go_at_their_last_gradient() -> No
     wrapped.close()
 
 
+@pytest.mark.parametrize("policy", ["auto", "lru"])
+def test_the_named_minimums_train_when_the_largest_block_is_frozen(policy, tmp_path) -> None:
+    """Found by a randomized review: with NVMe the host minimum counted one chunk's optimizer
+    step, or the largest block alone. Where the largest block is a frozen layer's (no step of its
+    own), staging it through a host of exactly that size left no room for the blocks the device
+    evicts to make room for it: HeteroOOMError in the first forward at the budgets wrap named."""
+    from hetero.wrap import minimum_budgets
+
+    def make() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(86, 21), torch.nn.Linear(21, 84), torch.nn.Linear(84, 85),
+                                torch.nn.Linear(85, 3))
+        m[2].requires_grad_(False)
+        return m
+
+    kw = dict(device="cpu", chunk_size=16384, nvme_path=str(tmp_path), nvme_budget="1MiB", policy=policy)
+    probe = hetero.wrap(make(), **kw)
+    device_min, host_min = minimum_budgets(probe, True)
+    probe.close()
+    eager, wrapped = make(), hetero.wrap(make(), **kw, device_budget=device_min, host_budget=host_min)
+    eopt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
+    hopt = hetero.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 86)
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+    assert_within_budgets(wrapped)
+    wrapped.close()
+
+
 class _FrozenMiddle(torch.nn.Module):
     """The root's own parameters: a frozen layer between two units, then a trainable head."""
 
