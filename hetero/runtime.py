@@ -1174,8 +1174,10 @@ class Runtime:
     def _compact(self, block: Block, tier: str, protect: set[Block]) -> bool:
         """Where a host with no tier below has the bytes for ``block`` but no contiguous run, and
         no block can leave it: open a run by moving the blocks in it elsewhere in the host (a
-        copy each; blocks with another copy just leave). False where no run holds only blocks
-        that may move, or they do not all find room outside it."""
+        copy each; blocks with another copy just leave), trying the runs cheapest first (a run
+        whose block fills a slot finds no room while the others are shared slots; the blocks of
+        a shared one may fit into another's free units). False where no run holds only blocks
+        that may move and all find room outside it."""
         if tier != HOST or self._below[HOST]:
             return False
         pool = self.storage.pools(HOST)[0]
@@ -1184,16 +1186,18 @@ class Runtime:
             return (self._blocks.get(getattr(b, "id", None)) is b and not self._held(b, HOST, protect)
                     and (len(b.tiers) > 1 or pool.slots_for(b.nbytes) == 1))
 
-        found = pool.window_at(block.nbytes, movable)
-        if found is None:
-            return False
-        run, blocks = found
-        for b in blocks:
-            if len(b.tiers) > 1:  # another copy: it just leaves
-                self._free(b, HOST)
-            elif not self._relocate(b, pool, run):
-                return False
-        return True
+        tried: set[int] = set()
+        while (found := pool.window_at(block.nbytes, movable, tried)) is not None:
+            run, blocks = found
+            for b in blocks:
+                if len(b.tiers) > 1:  # another copy: it just leaves
+                    self._free(b, HOST)
+                elif not self._relocate(b, pool, run):
+                    break
+            else:
+                return True
+            tried.add(run.start)  # (the blocks that moved out of it stay moved: no harm)
+        return False
 
     def _relocate(self, block: Block, pool: SlotPool, avoid: range) -> bool:
         """Move ``block``'s host copy to free slots outside ``avoid`` (an asynchronous copy that

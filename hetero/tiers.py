@@ -20,7 +20,7 @@ import shutil
 import socket
 import tempfile
 import weakref
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, Optional
 
 import torch
 
@@ -315,8 +315,9 @@ class SlotPool:
         found = self.window_at(nbytes, evictable)
         return None if found is None else found[1]
 
-    def window_at(self, nbytes: int, evictable: "Callable[[object], bool]") -> Optional[tuple[range, list[object]]]:
-        """:meth:`window`, with the slots of its run."""
+    def window_at(self, nbytes: int, evictable: "Callable[[object], bool]",
+                  skip: "Collection[int]" = ()) -> Optional[tuple[range, list[object]]]:
+        """:meth:`window`, with the slots of its run; not a run starting at a slot in ``skip``."""
         n = self.slots_for(nbytes)
         owners = self.owner
         movable: dict[int, bool] = {}  # evictable() once per owner, not once per slot and run
@@ -337,7 +338,7 @@ class SlotPool:
             if i >= n and owners[i - n] is not None:  # the slot leaving the run
                 occupied -= 1
                 blocked -= not ok(owners[i - n])
-            if i >= n - 1 and not blocked and (best is None or occupied < best[0]):
+            if i >= n - 1 and not blocked and (best is None or occupied < best[0]) and i - n + 1 not in skip:
                 best = (occupied, i - n + 1)
                 if not occupied:
                     break  # a free run: nothing can be cheaper

@@ -210,10 +210,12 @@ class Adam(torch.optim.Optimizer):
         """Refuse up front when parameters, gradients and these optimizer states cannot all fit,
         counting each block as the room it would take on the host or NVMe tier (whole slots, or
         units of a shared slot for a small block), those tiers as the whole slots their budgets
-        hold, and the room of one more block of the largest size: with every tier full, a block
+        hold, and the room of two more blocks of the largest size: with every tier full, a block
         coming to the device and one leaving it need a free place to pass each other (without
-        one, two full tiers cannot trade blocks). The device holds exact bytes, so this errs on
-        the side of refusing; a state the device alone holds is always accepted. Then, since
+        one, two full tiers cannot trade blocks), and the device holds whole blocks, so up to one
+        block's bytes of its budget can stay unused (a randomized review found budgets accepted
+        with one block of room that failed mid-run, 70 of 101 such cases train with two); a
+        state the device alone holds is always accepted. Then, since
         one chunk's update holds all of the chunk's blocks at once (on the device, or on the host
         in slots), refuse where neither tier can hold the largest one (:meth:`_tier_for`)."""
         rt = self._state.runtime
@@ -221,13 +223,13 @@ class Adam(torch.optim.Optimizer):
         sizes += [c.full_precision.nbytes for c in self._chunks() if EXP_AVG not in c.blocks] * 2
         if sum(sizes) <= rt.tiers[DEVICE].capacity:
             return  # the device alone holds the whole state
-        need = sum(rt.slot_bytes(n) for n in sizes) + rt.slot_bytes(max(sizes, default=0))
+        need = sum(rt.slot_bytes(n) for n in sizes) + 2 * rt.slot_bytes(max(sizes, default=0))
         held = {n: t.capacity if n == DEVICE else t.capacity // rt.slot_size * rt.slot_size
                 for n, t in rt.tiers.items()}
         if need > sum(held.values()):
             raise HeteroOOMError(
                 f"parameters, gradients and optimizer states need {exact_size(need)} (in host and "
-                f"NVMe {format_size(rt.slot_size)} slots, with room to swap the largest block) but "
+                f"NVMe {format_size(rt.slot_size)} slots, with room for two of the largest blocks) but "
                 f"the tiers hold {exact_size(sum(held.values()))} "
                 f"({', '.join(f'{n} {exact_size(b)}' for n, b in held.items())}); "
                 f"{raise_budget_advice(NVME in rt.tiers)}")
