@@ -143,8 +143,10 @@ def output_file(parser: argparse.ArgumentParser, option: str, path: str | None) 
     (the option not given) is left alone."""
     if path is None:
         return
-    folder = os.path.dirname(os.path.abspath(path)) if path else ""
-    if not path or os.path.isdir(path):
+    if not path:
+        parser.error(f"argument {option}: '' is not a path; expected a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
         parser.error(f"argument {option}: {path!r} is a directory; expected a file path")
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
         parser.error(f"argument {option}: {path!r}: {folder!r} is not an existing writable directory")
@@ -155,9 +157,12 @@ def output_file(parser: argparse.ArgumentParser, option: str, path: str | None) 
 def end_on_sigterm() -> None:
     """End the script on SIGTERM (``timeout``, a scheduler) as on an exception, exit status 143,
     so that its clean-ups run: the swap and scratch directories it made (bench_nvme writes a GiB
-    per contender) are removed, not left behind as a kill leaves them."""
+    per contender) are removed, not left behind as a kill leaves them. As the hetero command does,
+    it waits for a call of hetero's own to finish, so its clean-ups find the runtime whole."""
+    from hetero.interrupts import deferring
+
     def terminated(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, terminated)
+    if threading.current_thread() is threading.main_thread():  # (held while hetero's bookkeeping runs)
+        signal.signal(signal.SIGTERM, deferring(terminated))

@@ -43,7 +43,7 @@ NVME_DEFAULT_FRACTION = 0.9
 def _integer(value: Any) -> Optional[int]:
     """``value`` as an int where it is a whole number of any kind Python can index with (int,
     numpy's integers, a one-element integer tensor; not bool), else None."""
-    if isinstance(value, (bool, str)):
+    if isinstance(value, (bool, str)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         return None
     try:
         return operator.index(value)

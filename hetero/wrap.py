@@ -671,6 +671,13 @@ def _check_params(module: nn.Module) -> None:
     """Refuse what chunks cannot hold: parameters that are not floating-point or complex
     (chunks are NaN-filled at rest), and sparse gradients (grad blocks are dense)."""
     for name, p in module.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise HeteroConfigError(
+                f"parameter {name!r} is uninitialized (a lazy module's); expected its shape known: "
+                "run one forward (or initialize it) before hetero.wrap")
+        if p.layout != torch.strided:
+            raise HeteroConfigError(f"parameter {name!r} has layout {p.layout}; hetero.wrap manages dense "
+                                    "parameters; expected a strided (dense) tensor")
         if not (p.is_floating_point() or p.is_complex()):
             raise HeteroConfigError(
                 f"parameter {name!r} has dtype {p.dtype}; hetero.wrap manages floating-point and complex "
@@ -687,24 +694,45 @@ def _check_aliases(module: nn.Module) -> None:
     """Refuse two parameter objects over the same memory (``nn.Parameter(other.data)``, a view
     of another): eager updates that memory through both, hetero packs each into chunks of its own
     and would silently part them. A parameter tied by object (the same ``nn.Parameter`` in two
-    places) is one parameter and packed once."""
-    spans: dict[int, list[tuple[int, int, str]]] = {}
+    places) is one parameter and packed once; parameters over separate elements of one tensor
+    (column blocks of a fused weight, every other element) share nothing and are accepted."""
+    spans: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
     for name, p in module.named_parameters():
         if p.is_meta or p.numel() == 0:
             continue
-        start = p.storage_offset()
-        end = start + 1 + sum((n - 1) * abs(st) for n, st in zip(p.shape, p.stride()))
         size = p.element_size()
-        spans.setdefault(p.untyped_storage().data_ptr(), []).append((start * size, end * size, name))
+        start = p.storage_offset() * size
+        end = start + size * (1 + sum((n - 1) * abs(st) for n, st in zip(p.shape, p.stride())))
+        spans.setdefault(p.untyped_storage().data_ptr(), []).append((start, end, name, p))
     for found in spans.values():
-        found.sort()
-        for (_, end, first), (start, _, second) in zip(found, found[1:]):
-            if start < end:
-                raise HeteroConfigError(
-                    f"parameters {first!r} and {second!r} are two parameter objects over the same "
-                    "memory (one made from the other's data, or a view of it): eager training updates "
-                    "that memory through both, hetero.wrap gives each its own; expected one parameter "
-                    "object in both places (tie by assignment: b.weight = a.weight) or separate tensors")
+        found.sort(key=lambda e: e[:2])
+        cluster: list[tuple[int, int, str, torch.Tensor]] = []
+        for entry in found + [(None, None, "", None)]:  # (a sentinel closes the last cluster)
+            if cluster and (entry[0] is None or entry[0] >= max(e[1] for e in cluster)):
+                if len(cluster) > 1:
+                    _shared_elements(cluster)
+                cluster = []
+            if entry[0] is not None:
+                cluster.append(entry)
+
+
+def _shared_elements(cluster: list[tuple[int, int, str, torch.Tensor]]) -> None:
+    """Of parameters whose byte spans overlap, the first two that share a byte: refused."""
+    lo = cluster[0][0]
+    owner = torch.full((max(e[1] for e in cluster) - lo,), -1, dtype=torch.int16)
+    for i, (start, _, name, p) in enumerate(cluster):
+        size = p.element_size()
+        view = owner.as_strided(tuple(p.shape) + (size,), tuple(st * size for st in p.stride()) + (1,),
+                                start - lo)
+        hits = view[view >= 0]
+        if hits.numel():
+            first = cluster[int(hits[0])][2]
+            raise HeteroConfigError(
+                f"parameters {first!r} and {name!r} are two parameter objects over the same "
+                "memory (one made from the other's data, or a view of it): eager training updates "
+                "that memory through both, hetero.wrap gives each its own; expected one parameter "
+                "object in both places (tie by assignment: b.weight = a.weight) or separate tensors")
+        view.fill_(i)  # (a parameter overlapping itself, stride 0, is its own business)
 
 
 def _check_norm_buffers(module: nn.Module, given: Any, mp: Any) -> None:
@@ -766,7 +794,9 @@ def _parents(units: list[tuple[str, nn.Module]]) -> list[Optional[int]]:
 def _minimum_host_budget(chunk_size: int, nvme: bool, chunks: list[Chunk]) -> int:
     """Bytes the host tier must hold. With NVMe: an optimizer step's blocks for one chunk, all in
     host slots at once, plus slack so a block spanning several slots still finds a contiguous run
-    among them. Without NVMe: one block (a device eviction lands there)."""
+    among them; and at least the largest block staged there for the device beside the largest
+    the device writes back to make room for it. Without NVMe: one block (a device eviction lands
+    there)."""
     sizes = expected_block_bytes(chunks)
     slot = slot_size_for(chunk_size, sizes)
     if not nvme:

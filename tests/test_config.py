@@ -246,7 +246,7 @@ def test_integers_of_other_kinds_are_sizes_and_depths():
     for value in (np.int64(4096), np.uint32(4096), torch.tensor(4096)):
         assert parse_size(value, "x") == 4096 and type(parse_size(value, "x")) is int
     assert parse_prefetch(np.int64(3)) == 3 and type(parse_prefetch(np.int64(3))) is int
-    for bad in (np.float64(4096.0), torch.tensor(4096.0), torch.tensor([4096, 1]), np.bool_(True)):
+    for bad in (np.float64(4096.0), torch.tensor(4096.0), torch.tensor([4096, 1]), np.bool_(True), torch.tensor(True)):
         with pytest.raises(hetero.HeteroConfigError, match="budget_x"):
             parse_size(bad, "budget_x")
     wrapped = hetero.wrap(make_model(), device="cpu", host_budget=np.int64(1 << 20), chunk_size=np.int64(4096),
@@ -517,6 +517,13 @@ def test_parameters_chunks_cannot_hold_are_refused_naming_them():
     with pytest.raises(hetero.HeteroConfigError, match="'0'.*sparse=True"):
         hetero.wrap(sparse, device="cpu")
     assert not sparse._forward_pre_hooks and not ints._forward_pre_hooks
+    # A sparse-layout parameter and a lazy module's uninitialized one (raw errors from torch).
+    layout = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    layout.register_parameter("s", torch.nn.Parameter(torch.eye(3).to_sparse()))
+    with pytest.raises(hetero.HeteroConfigError, match="'s' has layout"):
+        hetero.wrap(layout, device="cpu")
+    with pytest.raises(hetero.HeteroConfigError, match="'0.weight' is uninitialized"):
+        hetero.wrap(torch.nn.Sequential(torch.nn.LazyLinear(3)), device="cpu")
 
 
 def test_parameters_over_the_same_memory_are_refused_naming_them():
@@ -537,8 +544,19 @@ def test_parameters_over_the_same_memory_are_refused_naming_them():
     apart[1].weight = torch.nn.Parameter(big[16:32].view(4, 4))
     tied = two()
     tied[1].weight = tied[0].weight
-    for model in (apart, tied):
+    # Separate elements of one tensor whose byte spans overlap (a first version refused these):
+    # column blocks of a fused weight, every other element.
+    columns, interleaved, fused = two(), two(), torch.randn(4, 8)
+    columns[0].weight, columns[1].weight = (torch.nn.Parameter(fused[:, :4]), torch.nn.Parameter(fused[:, 4:]))
+    interleaved[0].weight, interleaved[1].weight = (torch.nn.Parameter(fused[:, 0::2]),
+                                                    torch.nn.Parameter(fused[:, 1::2]))
+    for model in (apart, tied, columns, interleaved):
         hetero.wrap(model, device="cpu").close()
+    thirds = two()  # (every third element and every sixth share element 0: refused)
+    thirds[0].weight = torch.nn.Parameter(torch.randn(4, 12)[:, 0::3])
+    thirds[1].weight = torch.nn.Parameter(thirds[0].weight.data.as_strided((4, 2), (12, 6)))
+    with pytest.raises(hetero.HeteroConfigError, match="same memory"):
+        hetero.wrap(thirds, device="cpu")
 
 
 def test_wrapping_a_wrapped_model_again_is_refused_saying_so():

@@ -140,6 +140,7 @@ def test_a_refused_param_group_is_not_added(tight: dict) -> None:
     with pytest.warns(UserWarning, match="duplicate"), pytest.raises(hetero.HeteroConfigError, match="twice"):
         hetero.optim.AdamW(twice + twice[:1])
     assert len(opt.param_groups) == 1
+    assert len(hetero.optim.AdamW([{"params": []}]).param_groups) == 1  # (as torch; it raised AttributeError)
     opt.add_param_group({"params": list(wrapped.parameters())[2:]})
     train(wrapped, opt, batches(1))
     assert len(opt.state_dict()["param_groups"]) == 2

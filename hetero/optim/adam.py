@@ -144,6 +144,8 @@ class Adam(torch.optim.Optimizer):
                 if not chunk.requires_grad:
                     self._frozen.append((p, slot.names[0]))
             self._check_frozen()
+            if self._state is None:
+                return  # (groups without parameters so far, as torch takes them: nothing to check)
             rep = self._state.replicas
             if rep is None:
                 self._check_capacity()
