@@ -42,18 +42,23 @@ def slow_kernel(monkeypatch, opt, delay: float, fail: bool = False) -> Callable[
     return lambda: calls[0] + opt._queue.calls - queued
 
 
+def quarter_pair():
+    """The test GPT wrapped at a 25% device budget and its eager twin, each with AdamW."""
+    torch.manual_seed(0)
+    net = GPT()
+    eager = copy.deepcopy(net)
+    model = hetero.wrap(net, device="cpu", device_budget=state_bytes(net) // 4, chunk_size="8KiB")
+    return (model, hetero.optim.AdamW(model.parameters(), lr=1e-2), eager,
+            torch.optim.AdamW(eager.parameters(), lr=1e-2))
+
+
 def second_step(monkeypatch, defer: str, fail: bool = False, step: bool = True):
     """One step of the test GPT at a 25% device budget, then the backward of a second one with a
     slow kernel; returns the model, its optimizer, the eager twin (model, optimizer, batches),
     how long the second ``step()`` took and the kernel-call counter (without ``step``: returns
     before that ``step()``)."""
     monkeypatch.setenv("HETERO_DEFER_STEP", defer)
-    torch.manual_seed(0)
-    net = GPT()
-    eager = copy.deepcopy(net)
-    model = hetero.wrap(net, device="cpu", device_budget=state_bytes(net) // 4, chunk_size="8KiB")
-    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    model, opt, eager, eager_opt = quarter_pair()
     data = batches(4, seed=1)
     default_step(model, opt, data[0])
     default_step(eager, eager_opt, data[0])
@@ -402,12 +407,7 @@ def test_the_steps_wait_for_the_transfers_in_flight_counts_as_stall(monkeypatch,
 def test_a_bad_defer_setting_is_refused_before_the_step_moves_anything(monkeypatch) -> None:
     """HETERO_DEFER_STEP=bogus meant "on", silently; it is refused as the HETERO_IO_* flags are,
     at the step, before anything moves, and the step then runs once the value is sound."""
-    torch.manual_seed(0)
-    net = GPT()
-    eager = copy.deepcopy(net)
-    model = hetero.wrap(net, device="cpu", device_budget=state_bytes(net) // 4, chunk_size="8KiB")
-    opt = hetero.optim.AdamW(model.parameters(), lr=1e-2)
-    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    model, opt, eager, eager_opt = quarter_pair()
     x, y = batches(1, seed=1)[0]
     for m in (model, eager):
         m(x, y).backward()
