@@ -635,6 +635,12 @@ class HeteroModule(nn.Module):
         state.runtime.close()
         for chunk in state.chunks:
             chunk.detach_params()
+        # The optimizers' update threads too: nothing can be queued for a closed model (an
+        # optimizer kept referenced, in a sweep's results, kept its thread).
+        owners = {id(o): o for o in (s.owner() for c in state.chunks for s in c.slots if s.owner is not None)
+                  if o is not None}
+        for opt in owners.values():
+            opt.stop_updates()
 
 
 # ------------------------------------------------------------------------------ wrap

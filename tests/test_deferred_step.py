@@ -420,3 +420,20 @@ def test_a_bad_defer_setting_is_refused_before_the_step_moves_anything(monkeypat
     eager_opt.step()
     assert_same_model(eager, model)
     model.close()
+
+
+@NEEDS_QUEUE
+def test_close_and_a_newer_optimizer_stop_the_update_thread() -> None:
+    """An optimizer kept referenced after close() (a sweep's results), or after a newer one took
+    its parameters over, kept its deferred-update thread: one more thread per run."""
+    model, opt, _, _ = quarter_pair()
+    for x, y in batches(2, seed=1):
+        default_step(model, opt, (x, y))
+    assert opt._queue._queue is not None  # (host updates were deferred: the thread runs)
+    newer = hetero.optim.AdamW(model.parameters(), lr=1e-2)
+    assert opt._queue._queue is None
+    for x, y in batches(2, seed=2):
+        default_step(model, newer, (x, y))
+    assert newer._queue._queue is not None
+    model.close()
+    assert newer._queue._queue is None

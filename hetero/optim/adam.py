@@ -166,6 +166,7 @@ class Adam(torch.optim.Optimizer):
         slots = [self._state.slot_of[id(p)] for p in params]
         # An earlier step's postponed updates count their steps when they run: run them first.
         self._state.runtime.catch_up({c.blocks[PARAM].chunk_id for c, _ in slots})
+        replaced = {id(o): o for _, s in slots if s.owner is not None and (o := s.owner()) not in (None, self)}
         stale = [(c, s) for c, s in slots if s.step and (s.owner is None or s.owner() is not self)]
         if stale:
             log.info("hetero: %d parameter(s) had the state of an earlier optimizer; it restarts",
@@ -173,6 +174,14 @@ class Adam(torch.optim.Optimizer):
             self._write_states({id(s): (c, s, None) for c, s in stale})
         for _, s in slots:
             s.owner = me
+        for earlier in replaced.values():  # (its thread starts again if it still steps others)
+            earlier.stop_updates()
+
+    def stop_updates(self) -> None:
+        """Let the deferred host updates queued so far run, then stop their thread (a later
+        step starts it again): ``HeteroModule.close()`` calls it, and a newer optimizer over the
+        same parameters, so that an optimizer kept referenced holds no thread."""
+        self._queue.shutdown()
 
     def _check_owner(self) -> None:
         """Refuse to use a state that a newer optimizer over the same parameters took over."""
