@@ -139,19 +139,16 @@ def writable_dir(parser: argparse.ArgumentParser, option: str, path: str) -> Non
 
 def output_file(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
     """A usage error unless ``path`` of ``option`` (a file the script writes when it is done) can
-    be written: checked before the run, whose results would otherwise be lost at its end. None
-    (the option not given) is left alone."""
-    if path is None:
-        return
-    if not path:
-        parser.error(f"argument {option}: '' is not a path; expected a file path")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        parser.error(f"argument {option}: {path!r} is a directory; expected a file path")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-        parser.error(f"argument {option}: {path!r}: {folder!r} is not an existing writable directory")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        parser.error(f"argument {option}: {path!r} is not writable")
+    be written, checked as the hetero command checks its ``--json`` (hetero.cli.check_writable):
+    before the run, whose results would otherwise be lost at its end. None (the option not
+    given) is left alone."""
+    from hetero.cli import check_writable
+    from hetero.errors import HeteroConfigError
+
+    try:
+        check_writable(path, option)
+    except HeteroConfigError as exc:
+        parser.error(f"argument {option}: {str(exc).removeprefix(option + ' ')}")
 
 
 def end_on_sigterm() -> None:

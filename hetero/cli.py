@@ -371,7 +371,7 @@ def _print_summary(res: RunResult) -> None:
               f"{min(10, len(res.losses))}), floor {res.entropy:.3f} (data entropy)")
 
 
-def _check_writable(path: str | None, what: str, directory: bool = False) -> None:
+def check_writable(path: str | None, what: str, directory: bool = False) -> None:
     """Refuse an output path (a file; with ``directory``, a directory made if missing) that
     cannot be written, before the run rather than after it."""
     if path is None:
@@ -426,7 +426,7 @@ def _probe_file(path: str, what: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    _check_writable(args.json, "--json")
+    check_writable(args.json, "--json")
     res = _run_from_args(args, "hetero train")
     if res.rank != 0:  # (torchrun: rank 0 speaks for all)
         return 0
@@ -445,7 +445,7 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     if not args.out:
         raise HeteroConfigError("--out '': expected a directory path")
-    _check_writable(args.out, "--out", directory=True)
+    check_writable(args.out, "--out", directory=True)
     paths = {name: os.path.join(args.out, name)
              for name in ("report.json", "trace.json", "placement.png", "access_log.jsonl")}
     for name, path in paths.items():  # (a directory in the way would fail after the run)
@@ -483,7 +483,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .plan import plan
 
-    _check_writable(args.json, "--json")
+    check_writable(args.json, "--json")
     _set_threads(args.threads)
     result = plan(args.model, device_budget=args.device_budget, host_budget=args.host_budget,
                   nvme_path=args.nvme_path, no_nvme=args.no_nvme, nvme_budget=args.nvme_budget,

@@ -64,8 +64,9 @@ def parse_size(value: SizeLike, name: str, *, allow_none: bool = True) -> Option
         raise HeteroConfigError(f"{name}=None is not accepted; expected {accepted}")
     if isinstance(value, bool):
         raise HeteroConfigError(f"{name}={value!r} is not a size; expected {accepted}")
-    if _integer(value) is not None:  # (an int, numpy's, a one-element integer tensor)
-        nbytes = _integer(value)
+    whole = _integer(value)  # (an int, numpy's, a one-element integer tensor)
+    if whole is not None:
+        nbytes = whole
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         unit = m.group(2).lower() if m else None

@@ -710,16 +710,19 @@ def _check_aliases(module: nn.Module) -> None:
         start = p.storage_offset() * size
         end = start + size * (1 + sum((n - 1) * abs(st) for n, st in zip(p.shape, p.stride())))
         spans.setdefault(p.untyped_storage().data_ptr(), []).append((start, end, name, p))
-    for found in spans.values():
+    for found in spans.values():  # runs of parameters whose spans overlap, each checked whole
         found.sort(key=lambda e: e[:2])
         cluster: list[tuple[int, int, str, torch.Tensor]] = []
-        for entry in found + [(None, None, "", None)]:  # (a sentinel closes the last cluster)
-            if cluster and (entry[0] is None or entry[0] >= max(e[1] for e in cluster)):
+        end = 0
+        for entry in found:
+            if entry[0] >= end:
                 if len(cluster) > 1:
                     _shared_elements(cluster)
                 cluster = []
-            if entry[0] is not None:
-                cluster.append(entry)
+            cluster.append(entry)
+            end = max(end, entry[1])
+        if len(cluster) > 1:
+            _shared_elements(cluster)
 
 
 def _shared_elements(cluster: list[tuple[int, int, str, torch.Tensor]]) -> None:

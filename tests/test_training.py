@@ -607,6 +607,19 @@ class _LoraTowers(torch.nn.Module):
         return sum(layer(x) for layer in self.layers).pow(2).mean()
 
 
+def _train_both(eager, eopt, wrapped, hopt, shape: tuple[int, ...], loss=lambda out: out) -> None:
+    """Three steps of both models on the same random inputs (``loss`` of their output), then
+    the same weights."""
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(*shape)
+        for model, opt in ((eager, eopt), (wrapped, hopt)):
+            loss(model(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_model(eager, wrapped)
+
+
 def test_leaf_units_with_frozen_layers_are_let_go_at_their_last_gradient() -> None:
     """A unit holding no other unit needs its frozen layers no more once its trainable
     parameters' gradients are in: four such towers pinned to the end of the pass exceeded
@@ -621,14 +634,7 @@ def test_leaf_units_with_frozen_layers_are_let_go_at_their_last_gradient() -> No
     wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", device_budget=device_min, chunk_size="4KiB")
     eopt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
     hopt = hetero.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2)
-    torch.manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(8, 32)
-        for model, opt in ((eager, eopt), (wrapped, hopt)):
-            model(x).backward()
-            opt.step()
-            opt.zero_grad()
-    assert_same_model(eager, wrapped)
+    _train_both(eager, eopt, wrapped, hopt, (8, 32))
     assert_within_budgets(wrapped)
     wrapped.close()
 
@@ -655,14 +661,7 @@ def test_the_named_minimums_train_when_the_largest_block_is_frozen(policy, tmp_p
     eager, wrapped = make(), hetero.wrap(make(), **kw, device_budget=device_min, host_budget=host_min)
     eopt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
     hopt = hetero.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2)
-    torch.manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(4, 86)
-        for model, opt in ((eager, eopt), (wrapped, hopt)):
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    assert_same_model(eager, wrapped)
+    _train_both(eager, eopt, wrapped, hopt, (4, 86), loss=lambda out: out.pow(2).mean())
     assert_within_budgets(wrapped)
     wrapped.close()
 
@@ -696,12 +695,5 @@ def test_a_unit_with_a_frozen_parameter_waits_for_the_end_of_its_backward(policy
                           chunk_size=64 * 64 * 4, policy=policy)
     eopt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
     hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
-    torch.manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(8, 64)
-        for model, opt in ((eager, eopt), (wrapped, hopt)):
-            model(x).backward()
-            opt.step()
-            opt.zero_grad()
-    assert_same_model(eager, wrapped)
+    _train_both(eager, eopt, wrapped, hopt, (8, 64))
     wrapped.close()

@@ -341,7 +341,7 @@ class Adam(torch.optim.Optimizer):
         if self._state is not None:
             self._state.runtime.check_open()  # (even with no gradient to apply)
         # Read per step (tests switch it); a bad value is refused here, before anything moves.
-        self._defer = env_flag("HETERO_DEFER_STEP") is not False
+        defer = env_flag("HETERO_DEFER_STEP") is not False
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -352,14 +352,14 @@ class Adam(torch.optim.Optimizer):
         t0 = st.runtime.tracker.now()
         try:
             if st.replicas is not None:
-                self._ranks_step(st)
+                self._ranks_step(st, defer)
             else:
-                self._update(st)
+                self._update(st, defer)
         finally:
             st.runtime.tracker.compute("optimizer", "step", t0)
         return loss
 
-    def _ranks_step(self, st: "HeteroState") -> None:
+    def _ranks_step(self, st: "HeteroState", defer: bool) -> None:
         """The step with several ranks: each rank updates its chunks (all of them under NO_SHARD,
         its own when sharded), the ranks agree that all did, then, sharded, each chunk's owner
         broadcasts its parameters (HeteroState.share_updates). A failure anywhere raises on every
@@ -373,7 +373,7 @@ class Adam(torch.optim.Optimizer):
 
         def update() -> None:
             if not self._done:
-                self._update(st)
+                self._update(st, defer)
                 self._done, self._done_mark = True, st.forwards
 
         rep.together(update, lambda: HeteroIOError(
@@ -386,8 +386,9 @@ class Adam(torch.optim.Optimizer):
             st.share_updates(chunks)
         self._done = False
 
-    def _update(self, st: "HeteroState") -> None:
-        """The step proper (see :meth:`step`), timed there for the profiler's trace."""
+    def _update(self, st: "HeteroState", defer: bool) -> None:
+        """The step proper (see :meth:`step`), timed there for the profiler's trace; ``defer``:
+        HETERO_DEFER_STEP as ``step()`` read it."""
         if torch._C._current_graph_task_id() != -1:
             raise HeteroStateError(
                 "optimizer.step() was called inside a backward pass (torch's 'optimizer step in "
@@ -405,7 +406,6 @@ class Adam(torch.optim.Optimizer):
         st.adopt_grads(p for g in self.param_groups for p in g["params"])
         st.reduce_gradients()
         groups = self._group_index()
-        defer = self._defer
         work = [self._plan(c, runs, groups)
                 for c in self._chunks() if (runs := self._runs(c, groups))]
         updated = [u.chunk for u in work]
