@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .chunks import GRAD, MASTER, PARAM
-from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError
+from .errors import HeteroConfigError, HeteroError, HeteroIOError, HeteroOOMError
 from .tiers import DEVICE
 
 T = TypeVar("T")
@@ -75,9 +75,11 @@ def resolve_group(process_group: Any) -> Optional[Any]:
     return process_group if dist.get_world_size(process_group) > 1 else None
 
 
-def peer_failed() -> HeteroConfigError:
-    """What a rank raises from ``wrap`` when another rank's failed."""
-    return HeteroConfigError(
+def peer_failed(kind: type = HeteroConfigError) -> HeteroError:
+    """What a rank raises from ``wrap`` when another rank's failed: an error of the ``kind`` that
+    rank raised, where the ranks agreed on it (an out-of-memory error where the failing rank's
+    tiers could not hold the state), so that code catching one kind sees it on every rank."""
+    return kind(
         "hetero.wrap failed on another rank of process_group (its error says why); this rank's "
         "module is given back as it was; expected the same wrap to succeed on every rank")
 
@@ -131,10 +133,12 @@ class Replicas:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.comm_device)
 
-    def agree_layout(self, mine: Optional[tuple[list["Chunk"], "nn.Module", "Config", bool]]) -> None:
+    def agree_layout(self, mine: Optional[tuple[list["Chunk"], "nn.Module", "Config", bool]],
+                     failure: Optional[BaseException] = None) -> None:
         """The first collective of ``wrap``, after every check and plan and before any byte moves:
         ``mine`` is this rank's (chunks, module, config, sync_module_states), or None where its
-        wrap failed. Raises HeteroConfigError on every rank if any rank's wrap failed, or unless
+        wrap failed (with ``failure``). Raises on every rank if any rank's wrap failed (a
+        HeteroOOMError where one failed so, else HeteroConfigError), or HeteroConfigError unless
         all ranks packed the same chunks (parameters, shapes, dtypes of every block, frozen or
         not, chunk size), hold the same buffers and asked for the same sharding strategy and
         state sync: gradients are averaged chunk by chunk (reduced to an owner where sharded, on
@@ -148,12 +152,13 @@ class Replicas:
                           + [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
                           + [cfg.chunk_size, cfg.sharding_strategy.value, sync])
             code = zlib.crc32(layout.encode())
-        t = self._tensor([int(mine is None), code, -code])
+        failed = 0 if mine is not None else 2 if isinstance(failure, HeteroOOMError) else 1
+        t = self._tensor([failed, code, -code])
         dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
         if mine is None:
             return  # (this rank raises its own error)
         if t[0].item():
-            raise peer_failed()
+            raise peer_failed(HeteroOOMError if t[0].item() == 2 else HeteroConfigError)
         if t[1].item() != -t[2].item():
             raise HeteroConfigError(
                 f"module differs between the {self.world} ranks of process_group (rank {self.rank} "

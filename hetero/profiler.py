@@ -178,7 +178,8 @@ class Report:
 
     def save_event_log(self, path: str) -> None:
         """JSON Lines of every runtime call (create / acquire / release / discard / end_step),
-        preceded by one header line with the catalog, slot size and capacities: the input of
+        preceded by one header line with the catalog, slot size, capacities and the number of
+        events (so that a truncated copy is refused): the input of
         ``hetero.simulator.load_event_log``."""
         path = file_path("save_event_log", path)
         self._check_whole_log()
@@ -186,7 +187,7 @@ class Report:
             f.write(json.dumps({"catalog": self.catalog, "slot_size": self.slot_size,
                                 "capacities": self.capacities(), "prefetch": self.prefetch,
                                 "policy": self._summary["policy"], "host_slots": self.host_slots,
-                                "nvme_files": self.nvme_files}) + "\n")
+                                "nvme_files": self.nvme_files, "events": len(self.events)}) + "\n")
             for ev in self.events:
                 f.write(json.dumps(ev) + "\n")
 

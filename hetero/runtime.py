@@ -85,7 +85,9 @@ class Runtime:
     def __init__(self, capacities: dict[str, int], slot_size: int, policy: Policy, storage: Any,
                  prefetch: int = 0, host_slots: Optional[int] = None,
                  nvme_files: Optional[list[int]] = None) -> None:
-        self.tiers = {name: Tier(name, cap) for name, cap in capacities.items()}
+        files = nvme_files if nvme_files is not None else [capacities.get(NVME, 0) // slot_size]
+        self.tiers = {name: Tier(name, cap, sum(files) * slot_size if name == NVME else None)
+                      for name, cap in capacities.items()}
         self.slot_size = slot_size
         # The host arena's size limit from the model state (None: the host budget alone): the
         # arena has min(host budget / slot, host_slots) slots, which the simulator must know;
@@ -1172,19 +1174,18 @@ class Runtime:
         return True
 
     def _compact(self, block: Block, tier: str, protect: set[Block]) -> bool:
-        """Where a host with no tier below has the bytes for ``block`` but no contiguous run, and
-        no block can leave it: open a run by moving the blocks in it elsewhere in the host (a
-        copy each; blocks with another copy just leave), trying the runs cheapest first (a run
+        """Where the host has the bytes for ``block`` but no contiguous run, and no block can
+        leave it (no tier below, or NVMe full): open a run by moving the blocks in it elsewhere
+        in the host (a copy each; blocks with another copy just leave), trying the runs cheapest first (a run
         whose block fills a slot finds no room while the others are shared slots; the blocks of
         a shared one may fit into another's free units). False where no run holds only blocks
         that may move and all find room outside it."""
-        if tier != HOST or self._below[HOST]:
+        if tier != HOST:
             return False
         pool = self.storage.pools(HOST)[0]
 
-        def movable(b: object) -> bool:  # (a block spanning slots would need a run of its own)
-            return (self._blocks.get(getattr(b, "id", None)) is b and not self._held(b, HOST, protect)
-                    and (len(b.tiers) > 1 or pool.slots_for(b.nbytes) == 1))
+        def movable(b: object) -> bool:
+            return self._blocks.get(getattr(b, "id", None)) is b and not self._held(b, HOST, protect)
 
         tried: set[int] = set()
         while (found := pool.window_at(block.nbytes, movable, tried)) is not None:
@@ -1221,24 +1222,27 @@ class Runtime:
         if t is None:
             raise HeteroOOMError(self._oom_message(block, tier, "that tier is not enabled"))
         need = self._size_on(tier, block)
-        if need > t.capacity:
+        if need > t.room:
             raise HeteroOOMError(self._oom_message(block, tier, "the block is larger than the budget"))
+        stuck: set[Block] = set()  # victims that found no room below, while others may
+        stuck_error: Optional[HeteroOOMError] = None  # (why the last of them found none)
         while True:
             if t.free >= need and self.storage.place(block, tier):
                 self._reserve(block, tier)
                 return
             if t.free < need:
-                victim = self._victim(tier, protect)
+                victim = self._victim(tier, protect | stuck if stuck else protect)
                 if victim is None and (self._drop_shadow(tier) or (
                         self._bottom_host(tier) and self._room_to_promote(tier))):
                     continue
                 if victim is None:
-                    raise HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
+                    raise stuck_error or HeteroOOMError(self._oom_message(block, tier, "every block there is in use"))
                 try:
                     self._evict(victim, tier)
-                except HeteroOOMError:  # no room below for it
+                except HeteroOOMError as exc:  # no room below for it: another way, or a victim that fits there
                     if not self._no_room_below(tier, protect):
-                        raise
+                        stuck.add(victim)
+                        stuck_error = exc
                 continue
             try:
                 if (self._make_run(block, tier, lambda b: self._evictable(b, tier, protect))
@@ -1248,7 +1252,7 @@ class Runtime:
                         or (self._bottom_host(tier) and self._room_to_promote(tier))):
                     continue
             except HeteroOOMError:  # the run's blocks found no room below
-                if not self._no_room_below(tier, protect):
+                if not (self._no_room_below(tier, protect) or self._compact(block, tier, protect)):
                     raise
                 continue
             raise HeteroOOMError(self._oom_message(
@@ -1542,7 +1546,8 @@ class Runtime:
 
     def _oom_message(self, block: Block, tier: str, why: str) -> str:
         tiers = ", ".join(f"{n}: {exact_size(t.used)} used of {exact_size(t.capacity)} "
-                          f"({exact_size(sum(self._size_on(n, b) for b in self.blocks() if b.pins.get(n)))} pinned)"
+                          + (f"(the swap files' whole slots hold {exact_size(t.room)}) " if t.room < t.capacity else "")
+                          + f"({exact_size(sum(self._size_on(n, b) for b in self.blocks() if b.pins.get(n)))} pinned)"
                           for n, t in self.tiers.items())
         advice = raise_budget_advice(NVME in self.tiers)
         pinned = sum(self._size_on(tier, b) for b in self._on.get(tier, ()) if b.pins.get(tier))

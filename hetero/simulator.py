@@ -582,8 +582,32 @@ def load_event_log(path: str) -> tuple[list[tuple], dict[str, tuple[str, int]], 
     ``Report.save_event_log``."""
     import json
 
+    def bad(line: int, why: str) -> HeteroConfigError:
+        return HeteroConfigError(f"load_event_log: {path!r} line {line}: {why}; expected a file written "
+                                 "by Report.save_event_log, whole")
+
+    header, events = None, []
     with open(file_path("load_event_log", path)) as f:
-        header = json.loads(f.readline())
-        events = [tuple(tuple(x) if isinstance(x, list) else x for x in json.loads(line)) for line in f]
-    catalog = {k: (v[0], int(v[1])) for k, v in header.pop("catalog").items()}
+        for n, line in enumerate(f, 1):
+            try:
+                item = json.loads(line)
+            except ValueError as exc:
+                raise bad(n, f"not JSON ({exc})") from None
+            if n == 1:
+                if not (isinstance(item, dict) and isinstance(item.get("catalog"), dict)):
+                    raise bad(n, "no header with a catalog")
+                header = item
+            elif not (isinstance(item, list) and item and isinstance(item[0], str)):
+                raise bad(n, f"not an event: {line.strip()[:80]}")
+            else:
+                events.append(tuple(tuple(x) if isinstance(x, list) else x for x in item))
+    if header is None:
+        raise bad(1, "the file is empty")
+    try:
+        catalog = {k: (str(v[0]), int(v[1])) for k, v in header.pop("catalog").items()}
+    except (TypeError, ValueError, IndexError) as exc:
+        raise bad(1, f"a catalog entry is not (kind, bytes): {exc}") from None
+    count = header.pop("events", None)  # (logs saved before it was written carry none)
+    if count is not None and count != len(events):
+        raise bad(len(events) + 1, f"{len(events)} events where the header says {count}: the file is cut short")
     return events, catalog, header

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -42,15 +43,19 @@ def align_up(n: int, a: int = ALIGN) -> int:
 class Tier:
     """Byte accounting of one tier against its budget."""
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int, room: Optional[int] = None) -> None:
         self.name = name
         self.capacity = capacity
+        # What its memory holds of the budget (the swap files' whole slots), where that is less:
+        # bytes of the budget past it are never free, or a placement would count on room that
+        # is not there.
+        self.room = capacity if room is None else min(capacity, room)
         self.used = 0
         self.peak = 0
 
     @property
     def free(self) -> int:
-        return self.capacity - self.used
+        return self.room - self.used
 
     def reserve(self, nbytes: int) -> None:
         assert self.used + nbytes <= self.capacity, (
@@ -202,6 +207,23 @@ class SlotPool:
         """Indices of the slots no block or slab holds."""
         return [i for i in range(self._low, len(self.owner)) if self.owner[i] is None]
 
+    def free_units(self) -> "list[tuple[int, int]]":
+        """``(offset, bytes)`` of each longest run of free units in the slabs, lowest first."""
+        out = []
+        for i in sorted(self._slabs):
+            slab = self._slabs[i]
+            u, n = 0, len(slab.units)
+            while u < n:
+                if slab.free >> u & 1:
+                    k = u
+                    while k < n and slab.free >> k & 1:
+                        k += 1
+                    out.append((i * self.slot_size + u * self.unit, (k - u) * self.unit))
+                    u = k
+                else:
+                    u += 1
+        return out
+
     def fits(self, nbytes: int) -> bool:
         """Whether :meth:`alloc` would find room for ``nbytes`` now."""
         if is_small(nbytes, self.slot_size):
@@ -258,9 +280,11 @@ class SlotPool:
             self._low = start + n if start == first else first
         return start
 
-    def free(self, offset: int, nbytes: int) -> None:
+    def free(self, offset: int, nbytes: int, shared: Optional[bool] = None) -> None:
+        """Give back the room at ``offset``: units of a slab where ``shared`` (by default where
+        ``nbytes`` is small), else whole slots."""
         start = offset // self.slot_size
-        if is_small(nbytes, self.slot_size):
+        if is_small(nbytes, self.slot_size) if shared is None else shared:
             slab = self.owner[start]
             assert isinstance(slab, Slab), "bad free"
             u, k = offset % self.slot_size // self.unit, self._units(nbytes)
@@ -279,10 +303,11 @@ class SlotPool:
         self.owner[start:start + n] = [None] * n
         self._low = min(self._low, start)
 
-    def take(self, offset: int, nbytes: int, owner: object) -> None:
-        """Give the (free) room at ``offset`` to ``owner`` again: undoing a free."""
+    def take(self, offset: int, nbytes: int, owner: object, shared: Optional[bool] = None) -> None:
+        """Give the (free) room at ``offset`` to ``owner``: undoing a free, or taking room
+        :meth:`free_room` named (``shared`` as in :meth:`free`)."""
         start = offset // self.slot_size
-        if is_small(nbytes, self.slot_size):
+        if is_small(nbytes, self.slot_size) if shared is None else shared:
             slab = self.owner[start]
             if slab is None:
                 slab = self._open_slab(start)
@@ -352,56 +377,64 @@ class SlotPool:
 
 
 class Scattered(tuple):
-    """Where the NVMe copy of a block larger than a slot lies when no run of contiguous free slots
-    held it: ``((file, offset), ...)``, one whole slot (of ``slot_size`` bytes) each, in the order
-    of the block's bytes. A swap file needs no contiguity (only the host arena does: its copies
-    are tensor views), so NVMe room free in separate slots is never lost to fragmentation."""
+    """Where the NVMe copy of a block lies when no contiguous room held it: ``((file, offset,
+    bytes), ...)`` in the order of the block's bytes, each a whole free slot or (once those run
+    out) a run of free units of a slot small blocks share. A swap file needs no contiguity (only
+    the host arena does: its copies are tensor views), so free NVMe room is never lost to
+    fragmentation: a budget the capacity check accepted cannot fail for want of a run there."""
 
-    slot_size: int
 
-    def __new__(cls, extents, slot_size: int) -> "Scattered":
-        self = super().__new__(cls, extents)
-        self.slot_size = slot_size
-        return self
+def _scatter(pools: "list[SlotPool]", nbytes: int) -> "Optional[list[tuple[int, int, int]]]":
+    """The extents :func:`swap_alloc` scatters a block of ``nbytes`` over (free slots first,
+    then free units), or None where all the free room is not enough. They hold what the block
+    takes from the budget (:func:`slot_cost`), no less: the free room stays what the budget has
+    free. Takes nothing."""
+    slot, unit = pools[0].slot_size, pools[0].unit
+    nbytes = slot_cost(nbytes, slot)
+    out: list[tuple[int, int, int]] = []
+    got = 0
+    for i, pool in enumerate(pools):
+        for j in pool.free_slots():
+            if got >= nbytes:
+                return out
+            out.append((i, j * slot, slot))
+            got += slot
+    for i, pool in enumerate(pools):
+        for off, n in pool.free_units():
+            if got >= nbytes:
+                return out
+            n = min(n, align_up(nbytes - got, unit))
+            out.append((i, off, n))
+            got += n
+    return out if got >= nbytes else None
 
 
 def swap_alloc(pools: "list[SlotPool]", nbytes: int, owner: object):
     """Room for ``nbytes`` in the swap files' ``pools`` (searched in order): ``(file, offset)``
-    of a contiguous run, else (a block larger than a slot) :class:`Scattered` free slots; None
-    when there are not enough."""
+    of a contiguous run (or units of a shared slot), else :class:`Scattered` free room; None
+    when there is not enough."""
     for i, pool in enumerate(pools):
         off = pool.alloc(nbytes, owner)
         if off is not None:
             return i, off
-    if not pools:
+    extents = _scatter(pools, nbytes) if pools else None
+    if extents is None:
         return None
-    slot = pools[0].slot_size
-    n = slots_for(nbytes, slot)
-    if n < 2:
-        return None
-    free = [(i, j * slot) for i, pool in enumerate(pools) for j in pool.free_slots()][:n]
-    if len(free) < n:
-        return None
-    for i, off in free:
-        pools[i].take(off, slot, owner)
-    return Scattered(free, slot)
+    for i, off, n in extents:
+        pools[i].take(off, n, owner, shared=n < pools[i].slot_size)
+    return Scattered(extents)
 
 
 def swap_fits(pools: "list[SlotPool]", nbytes: int) -> bool:
     """Whether :func:`swap_alloc` would find room for ``nbytes`` now."""
-    if any(p.fits(nbytes) for p in pools):
-        return True
-    if not pools:
-        return False
-    n = slots_for(nbytes, pools[0].slot_size)
-    return n > 1 and sum(len(p.free_slots()) for p in pools) >= n
+    return any(p.fits(nbytes) for p in pools) or (bool(pools) and _scatter(pools, nbytes) is not None)
 
 
 def swap_free(pools: "list[SlotPool]", loc, nbytes: int) -> None:
     """Give the room at ``loc`` (from :func:`swap_alloc`) back to the pools."""
     if isinstance(loc, Scattered):
-        for i, off in loc:
-            pools[i].free(off, pools[i].slot_size)
+        for i, off, n in loc:
+            pools[i].free(off, n, shared=n < pools[i].slot_size)
     else:
         pools[loc[0]].free(loc[1], nbytes)
 
@@ -409,8 +442,8 @@ def swap_free(pools: "list[SlotPool]", loc, nbytes: int) -> None:
 def swap_take(pools: "list[SlotPool]", loc, nbytes: int, owner: object) -> None:
     """Give the free room at ``loc`` to ``owner`` again (undoing :func:`swap_free`)."""
     if isinstance(loc, Scattered):
-        for i, off in loc:
-            pools[i].take(off, pools[i].slot_size, owner)
+        for i, off, n in loc:
+            pools[i].take(off, n, owner, shared=n < pools[i].slot_size)
     else:
         pools[loc[0]].take(loc[1], nbytes, owner)
 
@@ -454,26 +487,32 @@ class HostArena:
 
 
 #: Inside each swap directory: who made it (host name and process id), so that a later run can
-#: tell a directory left by a process that was killed from one still in use.
+#: tell a directory left by a process that was killed from one still in use; its owner holds a
+#: lock on it while it lives (a process id alone cannot tell: another PID namespace on the same
+#: host, a container sharing the directory, has its own).
 OWNER_FILE = "owner"
 
 
-def make_private_dir(parent: str) -> str:
+def make_private_dir(parent: str) -> tuple[str, int]:
     """Create ``parent`` if needed and a fresh 0700 directory inside it for this module's swap,
-    marked with its owner; first remove the directories dead processes of this host left there
-    (:func:`_remove_orphans`)."""
+    marked with its owner, whose lock the returned descriptor holds until closed; first remove
+    the directories dead processes of this host left there (:func:`_remove_orphans`)."""
     try:
         os.makedirs(parent, exist_ok=True)
         _remove_orphans(parent)
         path = tempfile.mkdtemp(prefix="hetero-swap-", dir=parent)
         os.chmod(path, 0o700)
         fd = os.open(os.path.join(path, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        try:
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
     except OSError as exc:
         raise HeteroConfigError(f"nvme_path={parent!r} cannot hold swap files ({exc}); expected a "
                                 "writable directory on a local file system") from exc
-    return path
+    return path, fd
 
 
 def _remove_orphans(parent: str) -> None:
@@ -481,7 +520,8 @@ def _remove_orphans(parent: str) -> None:
     this host that no longer exists: a process killed by SIGKILL, or by SIGTERM (which by
     default ends Python without its exit handlers), could not remove its own. Directories of
     other hosts (a shared file system), of live processes and without an owner mark are left
-    alone."""
+    alone, and so is one whose owner file is still locked (a live owner in another PID
+    namespace)."""
     host = socket.gethostname()
     for name in os.listdir(parent):
         path = os.path.join(parent, name)
@@ -493,10 +533,25 @@ def _remove_orphans(parent: str) -> None:
             pid = int(pid)
         except (OSError, ValueError):
             continue
-        if owner_host != host or pid == os.getpid() or _alive(pid):
+        if owner_host != host or pid == os.getpid() or _alive(pid) or _locked(os.path.join(path, OWNER_FILE)):
             continue
         log.info("hetero: removing %s, left by process %d, which no longer exists", path, pid)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _locked(owner_file: str) -> bool:
+    """Whether a process holds the lock on ``owner_file`` (see :data:`OWNER_FILE`)."""
+    try:
+        fd = os.open(owner_file, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # (and with it the lock it took)
 
 
 def _alive(pid: int) -> bool:
@@ -518,7 +573,7 @@ def _release_once(finalizer: "list[weakref.finalize]", *args: Any) -> None:
     _release(*args)
 
 
-def _release(io: "engine.SwapIO", files: "list[engine.SwapFile]", path: str, owner: int) -> None:
+def _release(io: "engine.SwapIO", files: "list[engine.SwapFile]", path: str, owner: int, lock: int) -> None:
     """Close the swap files and remove their directory, from the process that made them only:
     a child forked from it that exits must not take its parent's swap away (nor touch an engine
     whose threads it does not have). Closing matters as much as removing: a removed file's
@@ -535,6 +590,7 @@ def _release(io: "engine.SwapIO", files: "list[engine.SwapFile]", path: str, own
             log.warning("hetero: closing swap file %s failed (%s)", f.path, exc)
     io.release()  # (its io_uring and eventfd)
     shutil.rmtree(path, ignore_errors=True)
+    os.close(lock)  # (the owner file's lock, see OWNER_FILE)
 
 
 class SwapSpace:
@@ -564,7 +620,7 @@ class SwapSpace:
         self.slots = self.layout(capacity, slot_size, largest_block)
         self.io = engine.SwapIO(num_threads=num_threads)
         try:
-            self.dir = make_private_dir(parent)
+            self.dir, lock = make_private_dir(parent)
         except BaseException:
             self.io.shutdown()
             raise
@@ -576,7 +632,7 @@ class SwapSpace:
         # leave nothing behind there.)
         mine: list[weakref.finalize] = []
         self._finalizer = weakref.finalize(self, _release_once, mine, self.io, self.files, self.dir,
-                                           os.getpid())
+                                           os.getpid(), lock)
         mine.append(self._finalizer)
         atexit.register(self._finalizer)
         try:
@@ -617,11 +673,15 @@ class SwapSpace:
         return self._transfer(self.io.read, loc, dst)
 
     def _transfer(self, submit, loc, buf: torch.Tensor):
-        """One request, or one per slot of a scattered copy (waited as one: :class:`Handles`)."""
+        """One request, or one per extent of a scattered copy (waited as one: :class:`Handles`)."""
         if not isinstance(loc, Scattered):
             return submit(self.files[loc[0]], loc[1], buf)
-        slot = loc.slot_size
-        return Handles([submit(self.files[i], off, buf[k * slot:(k + 1) * slot]) for k, (i, off) in enumerate(loc)])
+        handles, at = [], 0
+        for i, off, n in loc:  # (the last extents can hold only room past the bytes)
+            if at < buf.numel():
+                handles.append(submit(self.files[i], off, buf[at:at + n]))
+            at += n
+        return Handles(handles)
 
     def close(self) -> None:
         """Close the swap files and remove the directory (:func:`_release`). Idempotent."""

@@ -26,7 +26,7 @@ PAGE = 4096
 def regions(block: Any, tier: str, loc: Any, slot_size: int) -> tuple:
     """A block copy's memory as (space, file, start, end) ranges: device memory is per block;
     a host copy is a byte range of the arena, an NVMe copy one of a swap file (or, scattered,
-    one slot of a swap file per range). A range covers what the copy holds of its pool, whole
+    one extent of a swap file per range). A range covers what the copy holds of its pool, whole
     slots (whole units of a slot shared by small blocks), not only its bytes: the room past
     them is the copy's too, and a placement there must wait for the copy's transfer out (if that
     fails, undoing it takes the room back)."""
@@ -37,7 +37,7 @@ def regions(block: Any, tier: str, loc: Any, slot_size: int) -> tuple:
     if tier == HOST:
         return ((HOST, 0, loc, loc + n),)
     if isinstance(loc, Scattered):
-        return tuple((NVME, f, off, off + loc.slot_size) for f, off in loc)
+        return tuple((NVME, f, off, off + n) for f, off, n in loc)
     return ((NVME, loc[0], loc[1], loc[1] + n),)
 
 
@@ -164,6 +164,11 @@ class InFlight:
     def _keys(self, r: tuple) -> range:
         return range(r[2] // self.unit, (r[3] - 1) // self.unit + 1)
 
+    def _index_keys(self, regions: tuple) -> "dict[tuple, None]":
+        """The index keys of ``regions`` (those off the device), each once: a scattered copy's
+        extents can share a slot."""
+        return {(r[0], r[1], k): None for r in regions if r[0] != DEVICE for k in self._keys(r)}
+
     def freeing(self, tier: str) -> int:
         """Bytes of ``tier``'s budget that unfinished ``freed_src`` ops gave back: undone, they
         would take them again."""
@@ -212,10 +217,8 @@ class InFlight:
             self._freeing.setdefault(op.src, {})[op] = None
             self._freeing_bytes[op.src] = self._freeing_bytes.get(op.src, 0) + op.freed
         for index, regions in ((self._readers, op.reads), (self._writers, op.writes)):
-            for r in regions:
-                if r[0] != DEVICE:
-                    for k in self._keys(r):
-                        index.setdefault((r[0], r[1], k), {})[op] = None
+            for key in self._index_keys(regions):
+                index.setdefault(key, {})[op] = None
 
     def remove(self, op: Op) -> None:
         del self._ops[op]
@@ -231,11 +234,8 @@ class InFlight:
                 del self._freeing[op.src]
                 del self._freeing_bytes[op.src]
         for index, regions in ((self._readers, op.reads), (self._writers, op.writes)):
-            for r in regions:
-                if r[0] != DEVICE:
-                    for k in self._keys(r):
-                        key = (r[0], r[1], k)
-                        ops_at = index[key]
-                        del ops_at[op]
-                        if not ops_at:
-                            del index[key]
+            for key in self._index_keys(regions):
+                ops_at = index[key]
+                del ops_at[op]
+                if not ops_at:
+                    del index[key]

@@ -8,6 +8,7 @@ and the optimizer talk to; :class:`HeteroModule` is what the user holds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -460,6 +461,12 @@ class HeteroModule(nn.Module):
         self._hetero_state = state
         self._loading_under: Optional[str] = None  # see _load_from_state_dict
         self.register_load_state_dict_post_hook(HeteroModule._forget_inner_keys)
+        # The wrapped module's own load_state_dict (``model.module.load_state_dict``, a DDP
+        # habit) loads through the chunks too: see _inner_load.
+        me = weakref.ref(self)
+        self._inner_loaded: Optional[tuple[str, set[str]]] = None
+        module.register_load_state_dict_pre_hook(functools.partial(HeteroModule._inner_load, me))
+        module.register_load_state_dict_post_hook(functools.partial(HeteroModule._inner_loaded_keys, me))
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -499,16 +506,35 @@ class HeteroModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     @critical
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+    def state_dict(self, *args: Any, destination: Optional[dict] = None, prefix: str = "",  # type: ignore[override]
+                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The full state dict: original keys, CPU tensors, parameters in full precision and
         buffers in the dtypes they had before ``mixed_precision``'s ``buffer_dtype`` (as FSDP's
-        full state dict; their values were rounded to it, as there)."""
+        full state dict; their values were rounded to it, as there). As torch's: into
+        ``destination`` where given (a parent module's ``state_dict`` gets the same), and the
+        state-dict hooks registered on this module run."""
+        if args:  # torch's deprecated positional form
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
+        if destination is None:
+            destination = collections.OrderedDict()
+            destination._metadata = collections.OrderedDict()  # type: ignore[attr-defined]
+        for hook in self._state_dict_pre_hooks.values():
+            hook(self, prefix, keep_vars)
         with self._hetero_state.full_params(writeback=False):
-            sd = self.module.state_dict(*args, **kwargs)
-            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-            dtypes = self._hetero_state.buffer_dtypes
-            return {k: v.detach().to("cpu", dtype=dtypes.get(k[len(prefix):], v.dtype), copy=True)
-                    for k, v in sd.items()}
+            inner = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        dtypes = self._hetero_state.buffer_dtypes
+        for k, v in inner.items():
+            destination[k] = v.detach().to("cpu", dtype=dtypes.get(k[len(prefix):], v.dtype), copy=True)
+        if hasattr(destination, "_metadata"):
+            destination._metadata.update(inner._metadata)  # (the wrapped module's, under the same names)
+        local_metadata = dict(version=self._version)
+        for hook in self._state_dict_hooks.values():
+            result = hook(self, destination, prefix, local_metadata)
+            if not getattr(hook, "_from_public_api", False):  # (the private kind may replace it)
+                destination = destination if result is None else result
+            elif result is not None:
+                raise RuntimeError("state_dict post-hook must return None")
+        return destination
 
     @critical
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
@@ -519,6 +545,20 @@ class HeteroModule(nn.Module):
         if assign:
             raise HeteroConfigError("load_state_dict(assign=True) is not supported by hetero; "
                                     "expected assign=False (values are copied into the chunks)")
+        if self._load_state_dict_pre_hooks:  # (torch runs them inside _load_from_state_dict)
+            metadata = getattr(state_dict, "_metadata", None)
+            state_dict = collections.OrderedDict(state_dict)  # as torch: the hooks may edit it
+            if metadata is not None:
+                state_dict._metadata = metadata  # type: ignore[attr-defined]
+            for pre in self._load_state_dict_pre_hooks.values():
+                pre(state_dict, "", {} if metadata is None else metadata.get("", {}), strict, [], [], [])
+        result = self._load_into_chunks(state_dict, strict)
+        for post in self._load_state_dict_post_hooks.values():
+            if post(self, result) is not None:
+                raise RuntimeError("load_state_dict post-hook must return None")
+        return result
+
+    def _load_into_chunks(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
         with self._hetero_state.full_params(writeback=True):
             return self.module.load_state_dict(state_dict, strict=strict)
 
@@ -531,6 +571,8 @@ class HeteroModule(nn.Module):
         They are taken out of ``state_dict`` so that torch's recursion does not copy them a
         second time into the parameters' at-rest tensors; the keys it then reports missing there
         are dropped again by :meth:`_forget_inner_keys`."""
+        for pre in self._load_state_dict_pre_hooks.values():  # (torch's own would run them here)
+            pre(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         names = set(self.module.state_dict(keep_vars=True))  # (reads no block)
         mine: dict[str, Any] = {}
         for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -542,9 +584,39 @@ class HeteroModule(nn.Module):
         if not mine:  # nothing of this module's: no need to read and rewrite every chunk
             missing_keys.extend(prefix + k for k in sorted(names))
             return
-        result = self.load_state_dict(mine, strict=False)
+        result = self._load_into_chunks(mine, strict=False)
         missing_keys.extend(prefix + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+
+    @staticmethod
+    def _inner_load(me: "weakref.ref[HeteroModule]", inner: nn.Module, state_dict: dict[str, Any], prefix: str,
+                    local_metadata: dict, strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                    error_msgs: list[str]) -> None:
+        """A load_state_dict of the wrapped module itself, outside hetero's own loads (which
+        materialize every parameter first): its parameters are views of chunks that may not be
+        resident (torch's copies into them failed or were lost, half the model loaded). Its
+        keys load through :meth:`load_state_dict` instead, all or nothing, and leave
+        ``state_dict`` so that torch's recursion copies nothing; the missing keys the recursion
+        reports for them are dropped again by :meth:`_inner_loaded_keys`."""
+        self = me()
+        if self is None or self._hetero_state.summoned:
+            return
+        mine = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+        if not mine:  # (a parent's load through this module took them already)
+            return
+        result = self._load_into_chunks(mine, strict=False)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)  # (the missing: torch's recursion)
+        self._inner_loaded = (prefix, set(mine))
+
+    @staticmethod
+    def _inner_loaded_keys(me: "weakref.ref[HeteroModule]", inner: nn.Module, incompatible: Any) -> None:
+        """Drop the keys torch's recursion reported missing that :meth:`_inner_load` loaded."""
+        self = me()
+        if self is None or self._inner_loaded is None:
+            return
+        (prefix, loaded), self._inner_loaded = self._inner_loaded, None
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
+                                        if not (k.startswith(prefix) and k[len(prefix):] in loaded)]
 
     @staticmethod
     def _forget_inner_keys(module: "HeteroModule", incompatible: Any) -> None:
@@ -1037,9 +1109,9 @@ def wrap(
             chunk_size=chunk_size, prefetch=prefetch, auto_wrap_policy=auto_wrap_policy,
             sharding_strategy=sharding_strategy, mixed_precision=mixed_precision,
             process_group=process_group, param_init_fn=param_init_fn, log_steps=log_steps)
-    except BaseException:
+    except BaseException as exc:
         if replicas is not None:  # (its peers must not wait for it in a collective)
-            replicas.agree_layout(None)
+            replicas.agree_layout(None, exc)
         raise
     if replicas is not None:
         replicas.agree_layout((chunks, module, cfg, sync_module_states))

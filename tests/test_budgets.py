@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from typing import Callable
 
 import pytest
 import torch
@@ -134,6 +135,77 @@ def test_near_capacity_is_refused_up_front_or_trains(nvme: bool, tmp_path) -> No
         wrapped.close()
     print(f"near capacity, nvme={nvme}: {accepted} of {configs} trained, refused {refused}")  # (-s shows it)
     assert accepted >= configs // 3, f"only {accepted} of {configs} configurations were accepted: the test no longer tests training"
+
+
+def wrap_at_named_needs(make: Callable[[], nn.Module], kw: dict, grow: Callable[[int], str]) -> tuple:
+    """Wrap ``make()`` at the least budgets hetero names: each budget in ``kw`` starts at 1 and
+    is raised to the minimum ``wrap``'s refusal names (``pass <budget>>=N``); where ``wrap`` or
+    the optimizer finds the state larger than the tiers (``need N bytes ... hold M bytes``), the
+    budget ``grow(shortfall)`` names is raised by the shortfall. ``(wrapped model, its optimizer, the budgets)``."""
+    import re
+
+    kw = dict(kw)
+    for _ in range(12):
+        wrapped = None
+        try:
+            wrapped = hetero.wrap(make(), **kw)
+            return wrapped, hetero.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.01), kw
+        except hetero.HeteroConfigError as err:
+            name, value = re.search(r"pass (\w+)>=(\d+)", str(err)).groups()
+            assert name in kw and int(value) > kw[name], (kw, err)
+            kw[name] = int(value)
+        except hetero.HeteroOOMError as err:  # by wrap (parameters and gradients) or the optimizer
+            if wrapped is not None:
+                wrapped.close()
+            need, held = map(int, re.search(r"need (\d+) bytes.*?hold (\d+) bytes", str(err)).groups())
+            kw[grow(need - held)] += need - held
+    raise AssertionError(f"no budgets accepted after 12 tries: {kw}")
+
+
+def test_budgets_at_the_needs_hetero_names_train(tmp_path) -> None:
+    """A user told "pass host_budget>=N" or "need N bytes" and giving exactly that trains:
+    budgets at the minimums ``wrap`` names, raised by the shortfall the optimizer names, then
+    three steps equal to eager, within budgets, and replayed alike. Found by a randomized review
+    (27 of 101 such configurations failed mid-run, all but one with NVMe): with NVMe full, host
+    room split into runs too short for a block could not be joined (host compaction ran only
+    without NVMe) and a host victim too large for NVMe's room gave up where a smaller one fit;
+    NVMe room free in units of shared slots could not hold a block taking whole slots; and a
+    budget that is not a whole number of slots counted room the swap files do not have.
+    ``HETERO_NAMED_NEEDS_CONFIGS`` sets how many random configurations (12)."""
+    import os
+
+    for seed in range(int(os.environ.get("HETERO_NAMED_NEEDS_CONFIGS", "12"))):
+        train_at_named_needs(seed, tmp_path / f"swap{seed}")
+
+
+def train_at_named_needs(seed: int, swap_dir) -> None:
+    """One configuration of :func:`test_budgets_at_the_needs_hetero_names_train`."""
+    import random
+
+    r = random.Random(seed)
+    d, n_layer = r.choice([16, 32, 48]), r.choice([1, 2, 3])
+    flags = r.choice([{}, {"routed": True}, {"checkpointing": True}])
+
+    def make() -> GPT:
+        torch.manual_seed(seed)
+        return GPT(d=d, n_layer=n_layer, **flags)
+
+    kw = dict(device="cpu", device_budget=1, host_budget=1, nvme_path=str(swap_dir),
+              nvme_budget=1, chunk_size=r.choice([2048, 4096, 8192, 12288, 16384, 32768]),
+              policy=r.choice(["auto", "lru", "static", "opt", "hotness"]), prefetch=r.randint(0, 3))
+    grow = lambda short: r.choice(["device_budget", "host_budget", "nvme_budget"])  # noqa: E731
+    wrapped, opt, kw = wrap_at_named_needs(make, kw, grow)
+    eager = make()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.01)
+    data = batches(3, seed=seed)
+    e = [default_step(eager, eager_opt, b) for b in data]
+    h = [default_step(wrapped, opt, b) for b in data]
+    assert h == pytest.approx(e, rel=1e-5), (seed, kw)
+    assert_same_model(eager, wrapped)
+    rep = assert_within_budgets(wrapped)
+    sim = wrapped.placement_report().simulate()
+    assert sim.oom is None and sim.traffic == rep["traffic"], (seed, kw, sim.oom)
+    wrapped.close()
 
 
 def assert_each_parameter_whole(before: tuple[dict, dict], after: tuple[dict, dict],

@@ -431,11 +431,18 @@ def _case_budget_fails_on_one_rank(rank: int, where: Path) -> None:
         kw["device_budget"] = 1024
     with pytest.raises(hetero.HeteroConfigError, match="device_budget" if rank == 1 else "another rank"):
         hetero.wrap(seeded_gpt(), **kw)
+    # Tiers too small for parameters and gradients on rank 1: an out-of-memory error on both
+    # (found in review: rank 0 raised HeteroConfigError, so code catching one kind parted ways)
+    from models import state_bytes
+
+    kw = _budgets("device25_host", where)
+    if rank == 1:
+        kw["host_budget"] = state_bytes(seeded_gpt()) // 8
+    with pytest.raises(hetero.HeteroOOMError, match="need" if rank == 1 else "another rank"):
+        hetero.wrap(seeded_gpt(), **kw)
     # The optimizer's capacity check too (found in review: rank 1 raised alone, and rank 0 died
     # at its next collective): a host budget that holds parameters and gradients but not the
     # Adam states on rank 1 refuses the optimizer on both.
-    from models import state_bytes
-
     if rank == 1:
         kw = dict(kw, device_budget=state_bytes(seeded_gpt()) // 4, host_budget=state_bytes(seeded_gpt()) // 2)
     wrapped = hetero.wrap(seeded_gpt(), **kw)

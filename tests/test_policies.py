@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -846,6 +847,19 @@ def test_simulator_reproduces_a_real_run(policy, tmp_path) -> None:
     events, catalog, header = load_event_log(str(tmp_path / "events.jsonl"))
     again = replay(events, catalog, policy, header["capacities"], header["slot_size"], header["prefetch"])
     assert again.traffic == d["traffic"]
+    # a damaged copy is refused, naming the file and line, never replayed as a shorter run
+    # (found in review: a cut-short log replayed to less traffic, silently; others raised
+    # KeyError or a bare JSONDecodeError)
+    text = (tmp_path / "events.jsonl").read_text().splitlines(keepends=True)
+    for name, damaged, why in [("cut", text[:len(text) * 3 // 5], "cut short"),
+                               ("header", text[:1], "cut short"),
+                               ("empty", [], "empty"),
+                               ("access", [json.dumps(a.as_dict()) + "\n" for a in rep.accesses[:3]], "header"),
+                               ("garbage", text[:2] + ["{oops\n"] + text[2:], "line 3: not JSON"),
+                               ("blank", text[:2] + ["\n"] + text[2:], "line 3: not JSON")]:
+        (tmp_path / name).write_text("".join(damaged))
+        with pytest.raises(hetero.HeteroConfigError, match=why):
+            load_event_log(str(tmp_path / name))
     # and the public access log replays too (approximately: no creation order, no releases)
     lines = [a.as_dict() for a in rep.accesses]
     approx = replay_access_log(lines, policy, rep.capacities(), rep.slot_size, rep.prefetch)

@@ -178,8 +178,9 @@ def test_small_blocks_share_a_slot() -> None:
        st.lists(st.integers(1, 6), min_size=1, max_size=4))
 def test_swap_files_scatter_a_block_only_where_no_run_holds_it(ops, files) -> None:
     """NVMe room is the swap files' pools searched in order. A block takes a contiguous run (or
-    units of a shared slot) where one is free; only a block larger than a slot, finding none,
-    takes free slots wherever they are (:class:`Scattered`), and only when there are enough.
+    units of a shared slot) where one is free; a block finding none takes free slots wherever
+    they are, then free units of shared slots (:class:`Scattered`), and only when there are
+    enough: all the free room is usable.
     Never two owners in one slot; ``swap_fits`` says what ``swap_alloc`` will do; everything
     freed leaves every pool empty."""
     from hetero.tiers import Scattered, slot_cost, swap_alloc, swap_fits, swap_free
@@ -199,13 +200,24 @@ def test_swap_files_scatter_a_block_only_where_no_run_holds_it(ops, files) -> No
         loc = swap_alloc(pools, n, owner)
         assert (loc is not None) == expect
         if loc is None:
-            assert not contiguous and (n <= SLAB_SLOT or free_slots < -(-n // SLAB_SLOT))
+            room = free_slots * SLAB_SLOT + sum(m for p in pools for _, m in p.free_units())
+            assert not contiguous and room < slot_cost(n, SLAB_SLOT)
             continue
-        if isinstance(loc, Scattered):
-            assert not contiguous and n > SLAB_SLOT and len(loc) == -(-n // SLAB_SLOT)
-            assert len(set(loc)) == len(loc) and loc.slot_size == SLAB_SLOT
-            for f, off in loc:
-                assert off % SLAB_SLOT == 0 and pools[f].owner[off // SLAB_SLOT] is owner
+        if isinstance(loc, Scattered):  # free slots first, then free units of shared slots
+            cost = slot_cost(n, SLAB_SLOT)  # what the budget counts, all held
+            assert not contiguous and sum(m for _, _, m in loc) >= cost > sum(m for _, _, m in loc[:-1])
+            assert len({(f, off) for f, off, _ in loc}) == len(loc)
+            whole = [e for e in loc if e[2] == SLAB_SLOT]
+            assert loc[:len(whole)] == tuple(whole) and (len(whole) == len(loc) or free_slots == len(whole))
+            for f, off, m in loc:
+                slot = pools[f].owner[off // SLAB_SLOT]
+                if m == SLAB_SLOT:
+                    assert off % SLAB_SLOT == 0 and slot is owner
+                else:
+                    unit = pools[f].unit
+                    assert m % unit == 0 and off % unit == 0 and type(slot).__name__ == "Slab"
+                    first = off % SLAB_SLOT // unit
+                    assert all(o is owner for o in slot.units[first:first + m // unit])
         else:
             f, off = loc
             if slot_cost(n, SLAB_SLOT) >= SLAB_SLOT:
@@ -250,7 +262,7 @@ def test_a_scattered_copys_transfers_are_waited_as_one() -> None:
 def test_the_simulator_carves_nvme_into_the_runs_swap_files(tmp_path) -> None:
     """Real NVMe is up to four swap files, each its own pool, searched in order; the simulator
     carves the same pools from the run's layout, so placements (small blocks in shared slots
-    and a block scattered over free slots of two files included) land in the same places (found in review: one simulated pool put a small block in
+    and blocks scattered over free slots and units of two files included) land in the same places (found in review: one simulated pool put a small block in
     an older shared slot of another file, and the two stopped agreeing on what fits)."""
     from hetero.simulator import SimStorage
     from hetero.tiers import Scattered, SwapSpace
@@ -262,7 +274,7 @@ def test_the_simulator_carves_nvme_into_the_runs_swap_files(tmp_path) -> None:
         placed: dict[str, tuple] = {}
         script = [("L1", SLAB_SLOT), ("L2", SLAB_SLOT), ("S1", 4 * KIB), ("-L1", SLAB_SLOT),
                   ("S2", 4 * KIB), ("L3", SLAB_SLOT), ("L4", SLAB_SLOT), ("-S1", 4 * KIB), ("S3", 20 * KIB),
-                  ("-L2", SLAB_SLOT), ("X", 2 * SLAB_SLOT - 1)]  # its two free slots are in two files
+                  ("-L2", SLAB_SLOT), ("-L4", SLAB_SLOT), ("X", SLAB_SLOT + 32 * KIB)]
         for name, n in script:
             if name.startswith("-"):
                 real.free(placed[name[1:]], n)
@@ -271,7 +283,10 @@ def test_the_simulator_carves_nvme_into_the_runs_swap_files(tmp_path) -> None:
             got, want = sim.hold_nvme(n, name), real.alloc(n, name)
             assert got == want, (name, got, want)
             placed[name] = want
-        assert isinstance(placed["X"], Scattered) and list(placed["X"]) == [(0, SLAB_SLOT), (1, 0)]
+        # L4 found no free slot: it took the free units of both files' shared slots; X, which the
+        # budget counts as two slots, takes the slot L2 left, then the units L4 and S1 left
+        assert placed["L4"] == Scattered([(0, 4 * KIB, 60 * KIB), (1, 4 * KIB, 4 * KIB)])
+        assert placed["X"] == Scattered([(0, SLAB_SLOT, SLAB_SLOT), (0, 4 * KIB, 60 * KIB), (1, 0, 4 * KIB)])
     finally:
         real.close()
 

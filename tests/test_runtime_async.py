@@ -150,8 +150,8 @@ def invariants(rt: R.Runtime) -> None:
             for off, o in pool.blocks():
                 assert tier in o.tiers, f"{tier} offset {off} owned by {o!r}, which has no copy there"
                 loc = rt.storage.loc(o, tier)
-                if isinstance(loc, Scattered):  # one slot per part; the pool names each part
-                    assert (p, off) in loc, f"{o} is at {loc}, one of its slots at {(p, off)}"
+                if isinstance(loc, Scattered):  # extents apart; the pool names each part
+                    assert (p, off) in {e[:2] for e in loc}, f"{o} is at {loc}, one of its parts at {(p, off)}"
                 else:
                     assert loc == (off if tier == HOST else (p, off)), f"{o} is at {loc}, its slots at {off}"
                 owners.add(id(o))
@@ -1093,7 +1093,7 @@ def test_a_block_larger_than_a_slot_scatters_over_nvme_slots_that_are_apart(rig,
     rt.drain()
     invariants(rt)
     assert z.tiers == {NVME} and isinstance(z.nvme_loc, Scattered)
-    assert [off for _, off in z.nvme_loc] == [SLOT, SLOT]
+    assert [off for _, off, _ in z.nvme_loc] == [SLOT, SLOT]
     if fault is not None:
         faults.arm(1, fault)  # z's read (after c's write, which makes the room for it)
         with pytest.raises(HeteroIOError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -374,6 +375,34 @@ def test_removed_at_interpreter_exit(tmp_path):
         assert list(path.iterdir()) == [], f"{mode}: left {list(path.iterdir())}"
         if mode == "raise":
             assert "ZeroDivisionError" in err
+
+
+def test_a_swap_directory_whose_owner_holds_its_lock_is_never_taken(tmp_path):
+    """A process in another PID namespace on this host (a container sharing the directory) has
+    ids of its own: its directory's mark can name a process id that is dead here. Such a
+    directory is left alone while its owner holds the lock on the mark; one whose lock nobody
+    holds is removed (found in review: a wrap deleted a live container's swap directory)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(child.stdout)  # (exited: no process of this namespace has that id now)
+    mark = f"{socket.gethostname()} {dead}\n"
+    locked, stale = tmp_path / "hetero-swap-other-namespace", tmp_path / "hetero-swap-stale"
+    for d in (locked, stale):
+        d.mkdir()
+        (d / "owner").write_text(mark)
+    fd = os.open(locked / "owner", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        model = wrap_on_nvme(tmp_path)
+        assert locked.exists() and not stale.exists()
+        model.close()
+    finally:
+        os.close(fd)
+    wrap_on_nvme(tmp_path).close()  # (now nobody holds it)
+    assert not locked.exists()
 
 
 def test_a_live_or_foreign_swap_directory_is_never_taken(tmp_path):

@@ -7,6 +7,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetero.tiers import Scattered
 from hetero.transfers import PAGE, InFlight, Op, overlap
 
 
@@ -42,6 +43,9 @@ def loc(tier: str, draw) -> object:
     if tier == "device":
         return None
     offset = draw(st.integers(0, 12)) * PAGE
+    if tier == "nvme" and draw(st.booleans()):  # scattered: extents apart, several in one slot
+        return Scattered([(draw(st.integers(0, 1)), draw(st.integers(0, 12)) * PAGE, PAGE)
+                          for _ in range(draw(st.integers(2, 4)))])
     return offset if tier == "host" else (draw(st.integers(0, 1)), offset)
 
 
