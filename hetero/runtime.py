@@ -63,7 +63,7 @@ from .interrupts import critical
 from .policies import BlockInfo, Policy
 from .policycheck import hooks, policy_error
 from .tiers import (DEVICE, HOST, NVME, TIER_ORDER, HostArena, SlotPool, SwapSpace, Tier, TierStorage,
-                    is_small, slot_cost, slot_size_for, slots_for)
+                    is_small, slot_cost, slot_size_for, slots_for, whole_units)
 from .tracker import Tracker
 from .transfers import Deferred, InFlight, Job, Op, regions
 from .victims import Victims
@@ -85,6 +85,7 @@ class Runtime:
     def __init__(self, capacities: dict[str, int], slot_size: int, policy: Policy, storage: Any,
                  prefetch: int = 0, host_slots: Optional[int] = None,
                  nvme_files: Optional[list[int]] = None) -> None:
+        assert whole_units(slot_size), f"slot size {slot_size} is not whole units (see slot_size_for)"
         files = nvme_files if nvme_files is not None else [capacities.get(NVME, 0) // slot_size]
         self.tiers = {name: Tier(name, cap, sum(files) * slot_size if name == NVME else None)
                       for name, cap in capacities.items()}

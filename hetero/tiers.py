@@ -74,9 +74,11 @@ class Tier:
 
 def slot_size_for(chunk_size: int, block_bytes: "list[int]") -> int:
     """Slot size of the host and NVMe tiers: the largest block that respects ``chunk_size``
-    (aligned), so a full chunk's block fills one slot and only oversized parameters span several."""
-    fitting = [n for n in block_bytes if n <= chunk_size]
-    return align_up(max(fitting, default=min(block_bytes, default=ALIGN)))
+    (aligned), so a full chunk's block fills one slot and only oversized parameters span several;
+    rounded up to whole units (:func:`unit_for`, the same for both sizes), so that a slot shared
+    by small blocks has no room past its last unit that no one can use."""
+    slot = align_up(max((n for n in block_bytes if n <= chunk_size), default=min(block_bytes, default=ALIGN)))
+    return align_up(slot, unit_for(slot))
 
 
 def slots_for(nbytes: int, slot_size: int) -> int:
@@ -90,6 +92,13 @@ UNITS_PER_SLOT = 16
 def unit_for(slot_size: int) -> int:
     """Size of the units a slab slot is carved into (at least the O_DIRECT alignment)."""
     return align_up(-(-slot_size // UNITS_PER_SLOT))
+
+
+def whole_units(slot_size: int) -> bool:
+    """Whether a slot shared by small blocks is whole units (:func:`slot_size_for` makes it so):
+    no room past its last unit that no one can use. True where no slot is shared."""
+    unit = unit_for(slot_size)
+    return slot_size // unit < 2 or slot_size % unit == 0
 
 
 def is_small(nbytes: int, slot_size: int) -> bool:
@@ -504,8 +513,11 @@ def make_private_dir(parent: str) -> tuple[str, int]:
         os.chmod(path, 0o700)
         fd = os.open(os.path.join(path, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            try:  # (locked before the mark names a process: never a moment it reads as orphaned)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:  # a file system without locks: the process id alone tells
+                log.debug("hetero: no lock on %s (%s)", path, exc)
             os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
-            fcntl.flock(fd, fcntl.LOCK_EX)
         except BaseException:
             os.close(fd)
             raise
@@ -542,14 +554,14 @@ def _remove_orphans(parent: str) -> None:
 def _locked(owner_file: str) -> bool:
     """Whether a process holds the lock on ``owner_file`` (see :data:`OWNER_FILE`)."""
     try:
-        fd = os.open(owner_file, os.O_RDONLY)
+        fd = os.open(owner_file, os.O_RDWR)  # (NFS emulates flock with write locks)
     except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
-    except OSError:
-        return True
+    except OSError as exc:  # held; else a file system without locks, where the process id alone tells
+        return exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
     finally:
         os.close(fd)  # (and with it the lock it took)
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Op
 
 import torch
 import torch.utils._pytree as pytree
+from torch.nn.modules.module import _IncompatibleKeys
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
@@ -525,9 +526,9 @@ class HeteroModule(nn.Module):
         dtypes = self._hetero_state.buffer_dtypes
         for k, v in inner.items():
             destination[k] = v.detach().to("cpu", dtype=dtypes.get(k[len(prefix):], v.dtype), copy=True)
+        local_metadata = inner._metadata.get(prefix[:-1], dict(version=self._version))
         if hasattr(destination, "_metadata"):
             destination._metadata.update(inner._metadata)  # (the wrapped module's, under the same names)
-        local_metadata = dict(version=self._version)
         for hook in self._state_dict_hooks.values():
             result = hook(self, destination, prefix, local_metadata)
             if not getattr(hook, "_from_public_api", False):  # (the private kind may replace it)
@@ -545,22 +546,89 @@ class HeteroModule(nn.Module):
         if assign:
             raise HeteroConfigError("load_state_dict(assign=True) is not supported by hetero; "
                                     "expected assign=False (values are copied into the chunks)")
+        missing: list[str] = []
+        unexpected: list[str] = []
+        errors: list[str] = []
         if self._load_state_dict_pre_hooks:  # (torch runs them inside _load_from_state_dict)
             metadata = getattr(state_dict, "_metadata", None)
             state_dict = collections.OrderedDict(state_dict)  # as torch: the hooks may edit it
             if metadata is not None:
                 state_dict._metadata = metadata  # type: ignore[attr-defined]
             for pre in self._load_state_dict_pre_hooks.values():
-                pre(state_dict, "", {} if metadata is None else metadata.get("", {}), strict, [], [], [])
-        result = self._load_into_chunks(state_dict, strict)
-        for post in self._load_state_dict_post_hooks.values():
-            if post(self, result) is not None:
-                raise RuntimeError("load_state_dict post-hook must return None")
-        return result
+                pre(state_dict, "", {} if metadata is None else metadata.get("", {}), strict,
+                    missing, unexpected, errors)
+        return self._load_into_chunks(self._own_keys(state_dict), strict, (missing, unexpected, errors))
 
-    def _load_into_chunks(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
+    def _own_keys(self, state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        """``state_dict``'s entries under ``prefix``, keyed as the wrapped module's own
+        ``state_dict`` keys them: a key with the ``module.`` level in between (this module's
+        ``nn.Module`` name for them) loses it where the rest is one of them."""
+        names = set(self.module.state_dict(keep_vars=True))  # (reads no block)
+        mine: dict[str, Any] = collections.OrderedDict()
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            name = key[len(prefix):]
+            if name.startswith("module.") and name not in names and name[len("module."):] in names:
+                name = name[len("module."):]
+            mine[name] = state_dict[key]
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:  # (modules' versions, by module path: BatchNorm reads its own)
+            level = "module" not in self.module._modules
+            own = collections.OrderedDict()
+            for path, meta in metadata.items():
+                if prefix and path != prefix[:-1] and not path.startswith(prefix):
+                    continue
+                path = path[len(prefix):] if prefix and path != prefix[:-1] else ("" if prefix else path)
+                if level and (path == "module" or path.startswith("module.")):
+                    path = path[len("module."):]
+                own[path] = meta
+            mine._metadata = own  # type: ignore[attr-defined]
+        return mine
+
+    def _load_into_chunks(self, state_dict: Mapping[str, Any], strict: bool,
+                          hooks: Optional[tuple[list[str], list[str], list[str]]] = None) -> Any:
+        """The wrapped module's load, into the chunks, all or nothing: a refused load (a size
+        mismatch, or keys missing or unexpected where ``strict``) changes nothing. With
+        ``hooks``, what this module's pre-hooks reported (missing, unexpected, errors), which its
+        post-hooks then see and may change before the strict check, as in torch."""
+        missing, unexpected, errors = hooks or ([], [], [])
+        # Torch copies buffers at once, and inside summon_full_params the parameters too (the
+        # summon writes them back): kept, to be put back where the load is refused.
+        kept = list(self.module.buffers()) + (list(self.module.parameters()) if self._hetero_state.summoned else [])
+        buffers = [(b, b.detach().clone()) for b in kept]
+        try:
+            return self._load_under_full_params(state_dict, strict, hooks, missing, unexpected, errors)
+        except BaseException:
+            with torch.no_grad():
+                for b, was in buffers:
+                    b.copy_(was)
+            raise
+
+    def _load_under_full_params(self, state_dict: Mapping[str, Any], strict: bool, hooks: Any,
+                                missing: list[str], unexpected: list[str], errors: list[str]) -> Any:
         with self._hetero_state.full_params(writeback=True):
-            return self.module.load_state_dict(state_dict, strict=strict)
+            if hooks is None:
+                return self.module.load_state_dict(state_dict, strict=strict)
+            try:
+                result = self.module.load_state_dict(state_dict, strict=False)
+                missing += result.missing_keys
+                unexpected += result.unexpected_keys
+            except RuntimeError as exc:  # (size mismatches: torch's message, one error a line)
+                head, *lines = str(exc).split("\n\t")
+                if not head.startswith("Error(s) in loading state_dict"):
+                    raise
+                errors += lines
+            result = _IncompatibleKeys(missing, unexpected)
+            for post in self._load_state_dict_post_hooks.values():
+                if post(self, result) is not None:
+                    raise RuntimeError("load_state_dict post-hook must return None")
+            if strict and unexpected:
+                errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+            if strict and missing:
+                errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+            if errors:  # (raised inside: nothing is written back)
+                raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                    type(self.module).__name__, "\n\t".join(errors)))
+            return result
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
@@ -573,16 +641,12 @@ class HeteroModule(nn.Module):
         are dropped again by :meth:`_forget_inner_keys`."""
         for pre in self._load_state_dict_pre_hooks.values():  # (torch's own would run them here)
             pre(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        names = set(self.module.state_dict(keep_vars=True))  # (reads no block)
-        mine: dict[str, Any] = {}
+        mine = self._own_keys(state_dict, prefix)
         for key in [k for k in state_dict if k.startswith(prefix)]:
-            name = key[len(prefix):]
-            if name.startswith("module.") and name not in names and name[len("module."):] in names:
-                name = name[len("module."):]
-            mine[name] = state_dict.pop(key)
+            del state_dict[key]
         self._loading_under = prefix
         if not mine:  # nothing of this module's: no need to read and rewrite every chunk
-            missing_keys.extend(prefix + k for k in sorted(names))
+            missing_keys.extend(prefix + k for k in sorted(self.module.state_dict(keep_vars=True)))
             return
         result = self._load_into_chunks(mine, strict=False)
         missing_keys.extend(prefix + k for k in result.missing_keys)
@@ -599,8 +663,8 @@ class HeteroModule(nn.Module):
         ``state_dict`` so that torch's recursion copies nothing; the missing keys the recursion
         reports for them are dropped again by :meth:`_inner_loaded_keys`."""
         self = me()
-        if self is None or self._hetero_state.summoned:
-            return
+        if self is None or inner is not self.module or self._hetero_state.summoned:
+            return  # (a deep copy of the wrapped module keeps these hooks: it loads as torch loads)
         mine = {k[len(prefix):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
         if not mine:  # (a parent's load through this module took them already)
             return
@@ -612,7 +676,7 @@ class HeteroModule(nn.Module):
     def _inner_loaded_keys(me: "weakref.ref[HeteroModule]", inner: nn.Module, incompatible: Any) -> None:
         """Drop the keys torch's recursion reported missing that :meth:`_inner_load` loaded."""
         self = me()
-        if self is None or self._inner_loaded is None:
+        if self is None or inner is not self.module or self._inner_loaded is None:
             return
         (prefix, loaded), self._inner_loaded = self._inner_loaded, None
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
@@ -997,6 +1061,11 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
     last_holder = {id(p): i for i, m in enumerate(modules) for p in m.parameters(recurse=False)}
     placed: list[Chunk] = []
     materialized: set[int] = set()  # modules an initializer of a module above them materialized
+    # Modules built on meta whose tensors are all ties an earlier module made real (a tied
+    # head): still initialized, for the random numbers their initializer draws, as the eager
+    # constructor drew them (the modules after them would get other values); the tie's values
+    # staged first stand.
+    was_meta = {id(m) for m in modules if _own_meta(m)}
 
     def stage(p: nn.Parameter) -> None:
         chunk, slot = slot_of[id(p)]
@@ -1024,7 +1093,7 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                     else:
                         m._buffers[k] = torch.empty_like(t, device="cpu")
         before = {k: (p, p.shape, p.dtype) for k, p in m._parameters.items() if p is not None}
-        if param_init_fn is not None and (meta or id(m) in materialized):
+        if param_init_fn is not None and (meta or id(m) in materialized or id(m) in was_meta):
             # An FSDP-style initializer may materialize the whole subtree (``to_empty`` recurses
             # by default), replacing the meta parameters below with new objects: see
             # _adopt_below. As FSDP, the modules it materialized are initialized in their turn.
@@ -1038,7 +1107,7 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                     d._parameters[k] = p
                 raise
             materialized.update(id(d) for d in unmade if not _own_meta(d))
-        elif meta and hasattr(m, "reset_parameters"):
+        elif (meta or id(m) in was_meta) and hasattr(m, "reset_parameters"):
             m.reset_parameters()
         for k, (p, shape, dtype) in before.items():
             if m._parameters.get(k) is not p or p.shape != shape or p.dtype != dtype:

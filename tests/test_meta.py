@@ -385,6 +385,36 @@ def test_a_tied_head_with_its_own_meta_bias_materializes():
     assert model.head.weight is model.emb.weight
 
 
+@pytest.mark.parametrize("init", ["reset_parameters", "param_init_fn"])
+def test_a_module_whose_only_tensors_are_ties_is_initialized_in_its_turn(init):
+    """A bias-free head tied to the embedding (GPT-2's layout) holds no meta tensor once the
+    embedding is made real, yet its initializer still runs, as its constructor ran eagerly: the
+    random numbers it draws put every module after it on the eager values (found in review:
+    it was skipped, and the module after it differed from the CPU-built model)."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight
+            self.after = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.after(self.emb(x)))
+
+    torch.manual_seed(0)
+    want = Tied().state_dict()
+    with torch.device("meta"):
+        model = Tied()
+    torch.manual_seed(0)
+    fn = (lambda m: m.reset_parameters()) if init == "param_init_fn" else None
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="4KiB", device_budget="16KiB", param_init_fn=fn)
+    got = wrapped.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items()), [k for k, v in want.items() if not torch.equal(got[k], v)]
+    assert model.head.weight is model.emb.weight
+    wrapped.close()
+
+
 @pytest.mark.parametrize("budget", [None, 0.3])
 def test_an_initializer_that_materializes_the_whole_subtree_works_as_with_fsdp(budget, tmp_path):
     """Found in review: ``param_init_fn=lambda m: m.to_empty(device="cpu")`` (recurse=True, torch's

@@ -860,6 +860,8 @@ def test_simulator_reproduces_a_real_run(policy, tmp_path) -> None:
         (tmp_path / name).write_text("".join(damaged))
         with pytest.raises(hetero.HeteroConfigError, match=why):
             load_event_log(str(tmp_path / name))
+    with pytest.raises(hetero.HeteroConfigError, match="slot_size=69632 is not whole units"):  # (an older log)
+        replay(events, catalog, policy, header["capacities"], 17 * 4096, header["prefetch"])
     # and the public access log replays too (approximately: no creation order, no releases)
     lines = [a.as_dict() for a in rep.accesses]
     approx = replay_access_log(lines, policy, rep.capacities(), rep.slot_size, rep.prefetch)

@@ -405,6 +405,29 @@ def test_a_swap_directory_whose_owner_holds_its_lock_is_never_taken(tmp_path):
     assert not locked.exists()
 
 
+def test_a_file_system_without_locks_falls_back_on_the_process_id(tmp_path, monkeypatch):
+    """Where flock is unsupported (ENOLCK, EOPNOTSUPP: some FUSE or cluster file systems) the
+    NVMe tier still works, and the process id alone tells an orphan; any other failure to take
+    the lock reads as held (found in review: NFS refuses a lock on a file opened read-only, and
+    that was taken for "nobody holds it")."""
+    import errno
+    import fcntl
+
+    from hetero import tiers
+
+    owner = tmp_path / "owner"
+    owner.write_text("x 1\n")
+    for code, held in ((errno.ENOLCK, False), (errno.EOPNOTSUPP, False), (errno.EBADF, True), (errno.EIO, True)):
+        def refuse(fd, op, code=code):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(fcntl, "flock", refuse)
+        assert tiers._locked(str(owner)) is held, code
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "no locks")))
+    model = wrap_on_nvme(tmp_path / "nolocks")  # (no lock taken: works all the same)
+    model.close()
+
+
 def test_a_live_or_foreign_swap_directory_is_never_taken(tmp_path):
     """What a new swap directory's cleanup leaves alone: one of a live process (here another
     model of this one), one whose owner was on another host (a shared file system), and

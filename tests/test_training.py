@@ -160,6 +160,23 @@ def test_the_wrapped_module_s_own_load_state_dict_loads_through_the_chunks(tight
     assert all(torch.equal(got[k], v) for k, v in other.state_dict().items() if k.startswith("h.0."))
     with pytest.raises(RuntimeError, match="Missing key"):
         wrapped.module.load_state_dict(partial)
+    # A deep copy of the wrapped module (an EMA or eval copy) loads into itself, as torch does,
+    # never into the wrapped model (found in review: the copy kept hooks pointing at it)
+    before = wrapped.state_dict()
+    with wrapped.summon_full_params(writeback=False):
+        twin = copy.deepcopy(wrapped.module)
+    assert not twin.load_state_dict(eager.state_dict()).missing_keys
+    assert all(torch.equal(v, eager.state_dict()[k]) for k, v in twin.state_dict().items())
+    after = wrapped.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # Keys with the module. level load at the root too (as through a parent), and a load refused
+    # inside summon_full_params changes nothing there either (the summon writes back what it holds)
+    assert not wrapped.load_state_dict({"module." + k: v for k, v in other.state_dict().items()}).missing_keys
+    assert_same_model(other, wrapped)
+    with wrapped.summon_full_params():
+        with pytest.raises(RuntimeError, match="Missing key"):
+            wrapped.load_state_dict(partial)
+    assert_same_model(other, wrapped)
     wrapped.close()
 
 
@@ -185,6 +202,25 @@ def test_state_dict_hooks_on_the_wrapped_model_and_a_parent_s_state_dict_run_as_
     assert set(sd) == {"net." + k for k in wrapped.state_dict()} and calls == ["sd_pre", "sd_post"] * 2
     calls.clear()
     assert not parent.load_state_dict(sd).missing_keys and calls == ["load_pre", "load_post"]
+    # As torch: what a pre-hook reports counts, and post-hooks may clear keys before the strict
+    # check (found in review: hetero ran them after it, with fresh lists for the pre-hooks)
+    partial = {k: v for k, v in wrapped.state_dict().items() if k != "1.bias"}
+    forgive = wrapped.register_load_state_dict_post_hook(lambda m, keys: keys.missing_keys.clear())
+    assert not wrapped.load_state_dict(partial).missing_keys
+    forgive.remove()
+    with pytest.raises(RuntimeError, match="Missing key.*1.bias"):
+        wrapped.load_state_dict(partial)
+    zeros = {k: torch.zeros_like(v) for k, v in wrapped.state_dict().items()}
+    before = wrapped.state_dict()
+    wrapped.register_load_state_dict_pre_hook(lambda *a: a[-1].append("the pre-hook says no"))
+    with pytest.raises(RuntimeError, match="the pre-hook says no"):
+        wrapped.load_state_dict(zeros)
+    assert all(torch.equal(before[k], v) for k, v in wrapped.state_dict().items())  # nothing loaded
+    # ...and with a size mismatch too, both errors in one message, as torch's
+    wrong = dict(zeros, **{"1.bias": torch.zeros(9)})
+    with pytest.raises(RuntimeError, match="(?s)the pre-hook says no.*size mismatch for 1.bias"):
+        wrapped.load_state_dict(wrong)
+    assert all(torch.equal(before[k], v) for k, v in wrapped.state_dict().items())
     wrapped.close()
 
 
