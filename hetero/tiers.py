@@ -314,7 +314,7 @@ class SlotPool:
 
     def take(self, offset: int, nbytes: int, owner: object, shared: Optional[bool] = None) -> None:
         """Give the (free) room at ``offset`` to ``owner``: undoing a free, or taking room
-        :meth:`free_room` named (``shared`` as in :meth:`free`)."""
+        :meth:`free_units` named (``shared`` as in :meth:`free`)."""
         start = offset // self.slot_size
         if is_small(nbytes, self.slot_size) if shared is None else shared:
             slab = self.owner[start]
@@ -390,7 +390,7 @@ class Scattered(tuple):
     bytes), ...)`` in the order of the block's bytes, each a whole free slot or (once those run
     out) a run of free units of a slot small blocks share. A swap file needs no contiguity (only
     the host arena does: its copies are tensor views), so free NVMe room is never lost to
-    fragmentation: a budget the capacity check accepted cannot fail for want of a run there."""
+    fragmentation."""
 
 
 def _scatter(pools: "list[SlotPool]", nbytes: int) -> "Optional[list[tuple[int, int, int]]]":

@@ -659,7 +659,7 @@ class HeteroModule(nn.Module):
         """A load_state_dict of the wrapped module itself, outside hetero's own loads (which
         materialize every parameter first): its parameters are views of chunks that may not be
         resident (torch's copies into them failed or were lost, half the model loaded). Its
-        keys load through :meth:`load_state_dict` instead, all or nothing, and leave
+        keys load into the chunks instead (:meth:`_load_into_chunks`), all or nothing, and leave
         ``state_dict`` so that torch's recursion copies nothing; the missing keys the recursion
         reports for them are dropped again by :meth:`_inner_loaded_keys`."""
         self = me()
