@@ -1059,6 +1059,17 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
     # initialized: a tied head's reset_parameters() writes the embedding's weight too (lost,
     # as the tie made it: the values staged first stand).
     last_holder = {id(p): i for i, m in enumerate(modules) for p in m.parameters(recurse=False)}
+    # A tie's values are those of the first holder that initializes it, as in eager construction
+    # (a tied head's own draw is lost) - but not a holder above another one: a parent's tie to
+    # a child's parameter (``self.w = self.emb.weight``) was made after the child built it.
+    holders: dict[int, list[nn.Module]] = {}
+    for m in modules:
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(m)
+
+    def holds_from_below(m: nn.Module, p: nn.Parameter) -> bool:
+        others = [h for h in holders[id(p)] if h is not m]
+        return bool(others) and any(d in others for d in m.modules())
     placed: list[Chunk] = []
     materialized: set[int] = set()  # modules an initializer of a module above them materialized
     # Modules built on meta whose tensors are all ties an earlier module made real (a tied
@@ -1120,7 +1131,7 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                     "parameters as they are before initialization; expected param_init_fn / "
                     "reset_parameters to fill them in place (nn.init.*, copy_ under torch.no_grad())")
         for p in m.parameters(recurse=False):
-            if id(p) in slot_of and id(p) not in done:  # tied parameters are staged once
+            if id(p) in slot_of and id(p) not in done and not holds_from_below(m, p):  # ties: once
                 done.add(id(p))
                 stage(p)
         for name, b in list(m._buffers.items()):
@@ -1308,6 +1319,9 @@ def _prepare(module: nn.Module, replicas: Optional[Replicas], sync_module_states
     if cfg.param_init_fn is None:
         for name, m in module.named_modules():
             meta = [k for k, t in (dict(m._parameters) | dict(m._buffers)).items() if t is not None and t.is_meta]
+            if meta and not hasattr(m, "reset_parameters"):  # (a tie to a parameter below: initialized there)
+                below = {id(t) for d in m.modules() if d is not m for t in d._parameters.values() if t is not None}
+                meta = [k for k in meta if id((dict(m._parameters) | dict(m._buffers))[k]) not in below]
             if meta and not hasattr(m, "reset_parameters"):
                 raise HeteroConfigError(
                     f"module {name or type(m).__name__!r} has meta-device tensors ({', '.join(meta)}) and no "

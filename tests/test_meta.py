@@ -415,6 +415,39 @@ def test_a_module_whose_only_tensors_are_ties_is_initialized_in_its_turn(init):
     wrapped.close()
 
 
+@pytest.mark.parametrize("init", ["reset_parameters", "fsdp"])
+def test_a_parent_s_tie_to_a_child_s_parameter_takes_the_child_s_values(init):
+    """A tie the root makes to a child's parameter (``self.w = self.emb.weight``) comes first in
+    ``modules()`` order, but eagerly the child built the values: they are staged at the child
+    (found in review: the root's ``to_empty`` was staged, and the embedding held garbage)."""
+    class RootTie(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.w = self.emb.weight
+            self.after = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.after(self.emb(x)) @ self.w.t()
+
+    def fsdp_init(m: nn.Module) -> None:
+        m.to_empty(device="cpu", recurse=False)
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+    torch.manual_seed(0)
+    want = RootTie().state_dict()
+    with torch.device("meta"):
+        model = RootTie()
+    torch.manual_seed(0)
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="4KiB", device_budget="16KiB",
+                          param_init_fn=fsdp_init if init == "fsdp" else None)
+    got = wrapped.state_dict()
+    assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
+    assert model.w is model.emb.weight
+    wrapped.close()
+
+
 @pytest.mark.parametrize("budget", [None, 0.3])
 def test_an_initializer_that_materializes_the_whole_subtree_works_as_with_fsdp(budget, tmp_path):
     """Found in review: ``param_init_fn=lambda m: m.to_empty(device="cpu")`` (recurse=True, torch's
