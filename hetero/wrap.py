@@ -1060,8 +1060,9 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
     # as the tie made it: the values staged first stand).
     last_holder = {id(p): i for i, m in enumerate(modules) for p in m.parameters(recurse=False)}
     # A tie's values are those of the first holder that initializes it, as in eager construction
-    # (a tied head's own draw is lost) - but not a holder above another one: a parent's tie to
-    # a child's parameter (``self.w = self.emb.weight``) was made after the child built it.
+    # (a tied head's own draw is lost) - but not a holder above another one that has no
+    # reset_parameters of its own: such a parent's tie to a child's parameter (``self.w =
+    # self.emb.weight``) was made after the child built it.
     holders: dict[int, list[nn.Module]] = {}
     for m in modules:
         for p in m.parameters(recurse=False):
@@ -1069,7 +1070,7 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
 
     def holds_from_below(m: nn.Module, p: nn.Parameter) -> bool:
         others = [h for h in holders[id(p)] if h is not m]
-        return bool(others) and any(d in others for d in m.modules())
+        return bool(others) and not hasattr(m, "reset_parameters") and any(d in others for d in m.modules())
     placed: list[Chunk] = []
     materialized: set[int] = set()  # modules an initializer of a module above them materialized
     # Modules built on meta whose tensors are all ties an earlier module made real (a tied

@@ -435,17 +435,32 @@ def test_a_parent_s_tie_to_a_child_s_parameter_takes_the_child_s_values(init):
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()
 
-    torch.manual_seed(0)
-    want = RootTie().state_dict()
-    with torch.device("meta"):
-        model = RootTie()
-    torch.manual_seed(0)
-    wrapped = hetero.wrap(model, device="cpu", chunk_size="4KiB", device_budget="16KiB",
-                          param_init_fn=fsdp_init if init == "fsdp" else None)
-    got = wrapped.state_dict()
-    assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []
-    assert model.w is model.emb.weight
-    wrapped.close()
+    class ParentOwns(nn.Module):  # the parent made and initialized it; the child is tied to it
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(8, 8))
+            self.reset_parameters()
+            self.lin = nn.Linear(8, 8)
+            self.lin.weight = self.w
+
+        def reset_parameters(self) -> None:
+            nn.init.normal_(self.w)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    for cls in (RootTie, ParentOwns):  # (the second: found in review of the first's fix)
+        torch.manual_seed(0)
+        want = cls().state_dict()
+        with torch.device("meta"):
+            model = cls()
+        torch.manual_seed(0)
+        wrapped = hetero.wrap(model, device="cpu", chunk_size="4KiB", device_budget="16KiB",
+                              param_init_fn=fsdp_init if init == "fsdp" else None)
+        got = wrapped.state_dict()
+        assert [k for k, v in want.items() if not torch.equal(got[k], v)] == [], cls.__name__
+        wrapped.close()
+    assert model.w is model.lin.weight
 
 
 @pytest.mark.parametrize("budget", [None, 0.3])
