@@ -86,9 +86,9 @@ class Runtime:
                  prefetch: int = 0, host_slots: Optional[int] = None,
                  nvme_files: Optional[list[int]] = None) -> None:
         assert whole_units(slot_size), f"slot size {slot_size} is not whole units (see slot_size_for)"
-        files = nvme_files if nvme_files is not None else [capacities.get(NVME, 0) // slot_size]
-        self.tiers = {name: Tier(name, cap, sum(files) * slot_size if name == NVME else None)
-                      for name, cap in capacities.items()}
+        # (NVMe's room: the whole slots its swap files hold)
+        self.tiers = {name: Tier(name, cap, sum(len(p.owner) for p in storage.pools(NVME)) * slot_size
+                                 if name == NVME else None) for name, cap in capacities.items()}
         self.slot_size = slot_size
         # The host arena's size limit from the model state (None: the host budget alone): the
         # arena has min(host budget / slot, host_slots) slots, which the simulator must know;

@@ -209,9 +209,9 @@ def replay(events: Iterable[Sequence[Any]], catalog: Mapping[str, tuple[str, int
     a placement whose transfers all succeeded cannot follow."""
     if not whole_units(slot_size):  # (a log saved before slots were rounded to whole units)
         raise HeteroConfigError(
-            f"slot_size={slot_size} is not whole units (a sixteenth of a slot, in 4 KiB pages), as "
-            f"hetero's slots are since its 23rd session; expected {align_up(slot_size, unit_for(slot_size))} "
-            "or a log saved since")
+            f"slot_size={slot_size} is not whole units (slots shared by small blocks are whole units of "
+            "a sixteenth of one, in 4 KiB pages, as hetero makes them since its 23rd session); expected "
+            f"a slot_size of a report or log saved since, or one such as {align_up(slot_size, unit_for(slot_size))}")
     files = list(nvme_files) if nvme_files is not None else None
     events = list(events)
     failed = [i for i, e in enumerate(events) if e[0] == "failed"]
@@ -392,10 +392,6 @@ def replay_access_log(lines: Iterable[Mapping[str, Any]], policy: "str | Policy"
     slot = parse_size(slot_size, "slot_size", allow_none=False)
     if any(v <= 0 for v in caps.values()) or slot <= 0:
         raise HeteroConfigError(f"capacities={capacities!r}, slot_size={slot_size!r}: expected sizes > 0")
-    if not whole_units(slot):
-        raise HeteroConfigError(f"slot_size={slot_size!r} is not a slot size hetero makes (slots shared by "
-                                "small blocks are whole units of a sixteenth of one, in 4 KiB pages); "
-                                f"expected a report's slot_size, or one such as {align_up(slot, unit_for(slot))}")
     events, catalog = access_log_events(list(lines))
     return replay(events, catalog, policy, caps, slot, parse_prefetch(prefetch))
 

@@ -559,17 +559,18 @@ class HeteroModule(nn.Module):
                     missing, unexpected, errors)
         return self._load_into_chunks(self._own_keys(state_dict), strict, (missing, unexpected, errors))
 
-    def _own_keys(self, state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    def _own_keys(self, state_dict: Mapping[str, Any], prefix: str = "", take: bool = False) -> dict[str, Any]:
         """``state_dict``'s entries under ``prefix``, keyed as the wrapped module's own
         ``state_dict`` keys them: a key with the ``module.`` level in between (this module's
-        ``nn.Module`` name for them) loses it where the rest is one of them."""
+        ``nn.Module`` name for them) loses it where the rest is one of them. ``take``: and out of
+        ``state_dict`` (so that torch's recursion copies nothing of them)."""
         names = set(self.module.state_dict(keep_vars=True))  # (reads no block)
         mine: dict[str, Any] = collections.OrderedDict()
         for key in [k for k in state_dict if k.startswith(prefix)]:
             name = key[len(prefix):]
             if name.startswith("module.") and name not in names and name[len("module."):] in names:
                 name = name[len("module."):]
-            mine[name] = state_dict[key]
+            mine[name] = state_dict.pop(key) if take else state_dict[key]  # type: ignore[attr-defined]
         metadata = getattr(state_dict, "_metadata", None)
         if metadata is not None:  # (modules' versions, by module path: BatchNorm reads its own)
             level = "module" not in self.module._modules
@@ -641,9 +642,7 @@ class HeteroModule(nn.Module):
         are dropped again by :meth:`_forget_inner_keys`."""
         for pre in self._load_state_dict_pre_hooks.values():  # (torch's own would run them here)
             pre(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        mine = self._own_keys(state_dict, prefix)
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            del state_dict[key]
+        mine = self._own_keys(state_dict, prefix, take=True)
         self._loading_under = prefix
         if not mine:  # nothing of this module's: no need to read and rewrite every chunk
             missing_keys.extend(prefix + k for k in sorted(self.module.state_dict(keep_vars=True)))
@@ -1319,10 +1318,11 @@ def _prepare(module: nn.Module, replicas: Optional[Replicas], sync_module_states
     _check_budgets(cfg, units, parents, chunks)
     if cfg.param_init_fn is None:
         for name, m in module.named_modules():
-            meta = [k for k, t in (dict(m._parameters) | dict(m._buffers)).items() if t is not None and t.is_meta]
+            own = dict(m._parameters) | dict(m._buffers)
+            meta = [k for k, t in own.items() if t is not None and t.is_meta]
             if meta and not hasattr(m, "reset_parameters"):  # (a tie to a parameter below: initialized there)
                 below = {id(t) for d in m.modules() if d is not m for t in d._parameters.values() if t is not None}
-                meta = [k for k in meta if id((dict(m._parameters) | dict(m._buffers))[k]) not in below]
+                meta = [k for k in meta if id(own[k]) not in below]
             if meta and not hasattr(m, "reset_parameters"):
                 raise HeteroConfigError(
                     f"module {name or type(m).__name__!r} has meta-device tensors ({', '.join(meta)}) and no "
