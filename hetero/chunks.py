@@ -102,6 +102,7 @@ class Chunk:
         self.grad_world = 1
         # NaN placeholder shown by parameters whose block is off the device (expand: no memory).
         self._poison = torch.full((), math.nan, dtype=dtype, device=device)
+        self.attached = False  # the parameters point at the param block's device buffer
 
     def fold_pending(self, flat: torch.Tensor) -> None:
         """Before the grad block's data ``flat`` is added to or averaged: apply a pending clip or
@@ -135,11 +136,14 @@ class Chunk:
         flat = self.blocks[PARAM].device
         for s in self.slots:
             s.param.data = s.slice(flat)
+        self.attached = True
 
     def detach_params(self) -> None:
-        """Point every parameter at the NaN placeholder (the device buffer is being freed)."""
+        """Point every parameter at the NaN placeholder (the device buffer is being freed, or the
+        parameters are at rest)."""
         for s in self.slots:
             s.param.data = self._poison.expand(s.shape)
+        self.attached = False
 
     def written_at_rest(self) -> list[str]:
         """Names of the parameters at rest if one of them was written in place since it was

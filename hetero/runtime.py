@@ -107,6 +107,7 @@ class Runtime:
         self.tracker = Tracker()
         self._blocks: dict[str, Block] = {}
         self._on: dict[str, dict[Block, None]] = {name: {} for name in capacities}  # copies per tier
+        self._pinned: dict[str, dict[Block, None]] = {name: {} for name in capacities}  # pins > 0 there
         self._placing: set[Block] = set()  # blocks being placed right now: never victims
         # Tiers below each tier that this runtime has, and the two BlockInfo each block can show
         # a policy (clean below or not): every eviction describes every candidate.
@@ -191,7 +192,23 @@ class Runtime:
 
     def pinned_bytes(self, tier: str, besides: Sequence[Block] = ()) -> int:
         """Bytes of the blocks held on ``tier`` now, other than ``besides``."""
-        return sum(b.nbytes for b in self._on[tier] if b.pins.get(tier) and b not in besides)
+        on = self._on[tier]
+        return sum(b.nbytes for b in self._pinned[tier] if b in on and b not in besides)
+
+    @property
+    def holds_pins(self) -> bool:
+        """Whether any block is pinned anywhere."""
+        return any(self._pinned.values())
+
+    def _pin(self, block: Block, tier: str, delta: int) -> None:
+        """Add ``delta`` to ``block``'s pins on ``tier``, keeping the index of pinned blocks."""
+        n = block.pins.get(tier, 0) + delta
+        assert n >= 0, f"{block} released on {tier} without being acquired"
+        block.pins[tier] = n
+        if n:
+            self._pinned[tier][block] = None
+        else:
+            self._pinned[tier].pop(block, None)
 
     @property
     def in_flight(self) -> int:
@@ -301,14 +318,14 @@ class Runtime:
                 if record and tier not in block.tiers:
                     self.tracker.misses += 1
                 self._fetch(block, tier, protect)
-                block.pins[tier] = block.pins.get(tier, 0) + 1
+                self._pin(block, tier, 1)
                 pinned.append(block)
             for block in blocks:
                 self._wait_block(block, stall=True)
             self._pump()  # start what the ops just finished were holding back
         except BaseException:
             for block in pinned:
-                block.pins[tier] -= 1
+                self._pin(block, tier, -1)
             raise
         for block in blocks:
             if tier == DEVICE:
@@ -343,9 +360,7 @@ class Runtime:
     def release(self, blocks: Sequence[Block], tier: str = DEVICE) -> None:
         self.tracker.event("release", tuple(b.id for b in blocks), tier)
         for block in blocks:
-            n = block.pins.get(tier, 0)
-            assert n > 0, f"{block} released on {tier} without being acquired"
-            block.pins[tier] = n - 1
+            self._pin(block, tier, -1)
         self._pump(raising=False)  # start the next stage of a multi-stage prefetch now
 
     @critical
@@ -438,6 +453,8 @@ class Runtime:
         self.tracker.event("unpin_all")
         for block in self.blocks():
             block.pins.clear()
+        for pinned in self._pinned.values():
+            pinned.clear()
 
     def end_step(self) -> None:
         """A training step is complete: the runtime's own bookkeeping first, then the policy

@@ -103,8 +103,11 @@ def whole_units(slot_size: int) -> bool:
 
 def is_small(nbytes: int, slot_size: int) -> bool:
     """Whether a block of ``nbytes`` shares a slot with others (a slab) instead of taking whole
-    slots: at most half a slot, where a slot holds at least two units."""
-    return 2 * nbytes <= slot_size and slot_size // unit_for(slot_size) >= 2
+    slots: at most half a slot's units, so that any two share one. (Half its bytes was not
+    enough: where the unit is the alignment, a slot of 5 units held one block of 3 and kept 2
+    free that no such block could use, while the budget counted them free.)"""
+    unit = unit_for(slot_size)
+    return 2 * slots_for(nbytes, unit) <= slot_size // unit
 
 
 def slot_cost(nbytes: int, slot_size: int) -> int:
@@ -112,6 +115,31 @@ def slot_cost(nbytes: int, slot_size: int) -> int:
     its whole slots."""
     size = unit_for(slot_size) if is_small(nbytes, slot_size) else slot_size
     return slots_for(nbytes, size) * size
+
+
+def packed_bytes(sizes: "Iterable[int]", slot_size: int) -> int:
+    """Room blocks of ``sizes`` take together below the device: whole slots for a large block,
+    and the slots small ones fill when packed (largest first, each into the fullest slot that
+    still has its units). More than the sum of their :func:`slot_cost`: units a shared slot
+    keeps that no block fits in are lost (three 2-unit blocks need two slots of 5 units). What
+    the capacity checks count, so that budgets they accept can be packed."""
+    unit = unit_for(slot_size)
+    per_slot = slot_size // unit
+    total = 0
+    slabs = [0] * (per_slot + 1)  # open slots by their free units
+    for n in sorted(sizes, reverse=True):
+        if not is_small(n, slot_size):
+            total += slots_for(n, slot_size) * slot_size
+            continue
+        k = slots_for(n, unit)
+        free = next((f for f in range(k, per_slot + 1) if slabs[f]), None)
+        if free is None:
+            total += slot_size
+            free = per_slot
+            slabs[free] += 1
+        slabs[free] -= 1
+        slabs[free - k] += 1
+    return total
 
 
 class Slab:
@@ -502,6 +530,24 @@ class HostArena:
 OWNER_FILE = "owner"
 
 
+#: Descriptors holding an owner file's lock in this process. A forked child (a DataLoader
+#: worker) closes its copies at once: a lock lives while any descriptor of it is open, so a child
+#: outliving a killed owner would keep its swap directory from being found orphaned.
+_owner_locks: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    for fd in _owner_locks:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _owner_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 def make_private_dir(parent: str) -> tuple[str, int]:
     """Create ``parent`` if needed and a fresh 0700 directory inside it for this module's swap,
     marked with its owner, whose lock the returned descriptor holds until closed; first remove
@@ -524,6 +570,7 @@ def make_private_dir(parent: str) -> tuple[str, int]:
     except OSError as exc:
         raise HeteroConfigError(f"nvme_path={parent!r} cannot hold swap files ({exc}); expected a "
                                 "writable directory on a local file system") from exc
+    _owner_locks.add(fd)
     return path, fd
 
 
@@ -602,6 +649,7 @@ def _release(io: "engine.SwapIO", files: "list[engine.SwapFile]", path: str, own
             log.warning("hetero: closing swap file %s failed (%s)", f.path, exc)
     io.release()  # (its io_uring and eventfd)
     shutil.rmtree(path, ignore_errors=True)
+    _owner_locks.discard(lock)
     os.close(lock)  # (the owner file's lock, see OWNER_FILE)
 
 
@@ -840,8 +888,7 @@ class TierStorage:
 
     def on_device(self, block, resident: bool) -> None:
         """A param block's device copy is usable, or is about to go: repoint its parameters."""
-        if block.kind == "param" and getattr(block, "attached", False) != resident:
-            block.attached = resident
+        if block.kind == "param" and block.chunk.attached != resident:
             if resident:
                 block.chunk.attach_params()
             else:

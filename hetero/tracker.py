@@ -106,7 +106,10 @@ class Tracker:
         a = Access(self.step, self.access_count, block, nbytes, tier, group, write)
         self.access_count += 1
         self.accesses.append(a)
-        self.stats.setdefault(block, BlockStats()).touch(a.seq, a.step)
+        stats = self.stats.get(block)
+        if stats is None:
+            stats = self.stats[block] = BlockStats()
+        stats.touch(a.seq, a.step)
         if block in self.prefetched:
             self.prefetched.discard(block)
             self.prefetch_hits += 1

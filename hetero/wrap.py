@@ -32,7 +32,7 @@ from .errors import HeteroConfigError, HeteroOOMError, HeteroStateError
 from .interrupts import critical, install as install_interrupts
 from .policies import claim, make_policy, starting_copy
 from .runtime import Runtime, expected_block_bytes
-from .tiers import DEVICE, slot_cost, slot_size_for, slots_for
+from .tiers import DEVICE, packed_bytes, slot_size_for, slots_for
 from .units import (Call, Unit, default_auto_wrap_policy, fsdp_policy, register_hooks, select_units, unit_blocks,
                     unit_holders, unit_params)
 
@@ -365,7 +365,7 @@ class HeteroState:
         writes or drops blocks between passes (the optimizer's step and zero_grad, clipping)."""
         if torch._C._current_graph_task_id() != -1:
             return  # inside a backward (activation checkpointing re-runs forwards there): pins are live
-        if self._grad_pin is not None or any(n for b in self.runtime.blocks() for n in b.pins.values()):
+        if self._grad_pin is not None or self.runtime.holds_pins:
             log.warning("hetero: dropping pins left by an interrupted forward or backward pass")
             self.forward_failed()
 
@@ -419,7 +419,7 @@ class HeteroState:
                 # Back to the device buffer only where it holds the data now (the runtime says
                 # so once an acquire has waited for it); a copy still on its way stays poisoned
                 # until the acquire that waits for it attaches it.
-                if getattr(chunk.blocks[PARAM], "attached", False):
+                if chunk.attached:
                     chunk.attach_params()
                 else:
                     chunk.detach_params()
@@ -988,12 +988,12 @@ def _check_budgets(cfg: Config, units: list[Unit], parents: list[Optional[int]],
             "minimum differs: the largest block sets the slot size, and blocks spanning slots need "
             "slack, so a smaller chunk_size does not always lower it)")
     # As the optimizer's check (Adam._check_capacity) counts: below the device each block takes
-    # whole slots, or units of a shared one, and the budgets hold whole slots.
+    # whole slots, or units of shared ones as packed, and the budgets hold whole slots.
     sizes = [b.nbytes for c in chunks for b in c.blocks.values()]
     slot = slot_size_for(cfg.chunk_size, expected_block_bytes(chunks))
     total = sum(sizes)
     if total > cfg.device_budget:
-        total = sum(slot_cost(n, slot) for n in sizes)
+        total = packed_bytes(sizes, slot)
     nvme = cfg.nvme_path is not None
     held = {"device": cfg.device_budget, "host": cfg.host_budget // slot * slot}
     if nvme:

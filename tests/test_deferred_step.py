@@ -366,7 +366,7 @@ def test_a_postponed_update_inside_a_forward_runs_on_the_host_where_the_device_i
     need = sum(b.nbytes for b in own)
     device, capacity = rt.tiers["device"], rt.tiers["device"].capacity
     for b in held:
-        b.pins["device"] = b.pins.get("device", 0) + 1
+        rt._pin(b, "device", 1)
     try:
         assert rt.pinned_bytes("device", besides=own) == pinned > 0
         device.capacity = pinned + need - 1  # the chunk fits the device, not beside what is held
@@ -376,7 +376,7 @@ def test_a_postponed_update_inside_a_forward_runs_on_the_host_where_the_device_i
     finally:
         device.capacity = capacity
         for b in held:
-            b.pins["device"] -= 1
+            rt._pin(b, "device", -1)
     assert rt.pinned_bytes("device") == 0 and opt._tier_for(chunk) == "device"
     model.close()
 

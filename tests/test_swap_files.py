@@ -463,6 +463,40 @@ def test_a_forked_child_leaves_its_parents_swap_alone(tmp_path):
     assert not d.exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
+def test_a_forked_child_does_not_hold_its_parents_swap_lock(tmp_path):
+    """The owner file's lock lives while any descriptor of it is open: a forked child (a data
+    loader's worker) that inherited one kept a parent killed by a signal looking alive, so its
+    swap directory was never removed as orphaned while the child lived. The child closes its
+    copies at once."""
+    from hetero import tiers
+
+    model = wrap_on_nvme(tmp_path)
+    owner = str(the_swap_dir(tmp_path) / tiers.OWNER_FILE)
+    assert tiers._locked(owner)
+    ready, go = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: lives on while the parent lets go of its lock
+        os.write(ready[1], b"x")  # (its fork handlers ran)
+        os.read(go[0], 1)
+        os._exit(0)
+    try:
+        assert os.read(ready[0], 1) == b"x"
+        (lock,) = tiers._owner_locks
+        spare = os.open(owner, os.O_RDONLY)  # (unlocked: for close() to close in the lock's place)
+        os.close(lock)  # (as the parent's death would)
+        assert not tiers._locked(owner)
+        os.dup2(spare, lock)
+        os.close(spare)
+    finally:
+        os.write(go[1], b"x")
+        os.waitpid(pid, 0)
+        for fd in ready + go:
+            os.close(fd)
+    model.close()
+    assert not tiers._owner_locks
+
+
 @pytest.mark.parametrize("budget_slots", [1.5, 4.25, 9.75, 0.5])
 def test_swap_files_never_exceed_the_nvme_budget(tmp_path, budget_slots):
     """``nvme_budget`` caps the bytes on disk too: the files hold whole slots within it (and a

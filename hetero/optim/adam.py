@@ -38,7 +38,7 @@ from ..distributed import gather_states, noted
 from ..engine import env_flag
 from ..errors import HeteroConfigError, HeteroIOError, HeteroOOMError, HeteroStateError
 from ..interrupts import critical
-from ..tiers import DEVICE, HOST, NVME
+from ..tiers import DEVICE, HOST, NVME, packed_bytes
 from .kernel import adam_step_, adam_update_  # noqa: F401  (adam_update_: the torch-ops reference)
 from .queue import AdamQueue
 
@@ -220,21 +220,22 @@ class Adam(torch.optim.Optimizer):
     def _check_capacity(self) -> None:
         """Refuse up front when parameters, gradients and these optimizer states cannot all fit,
         counting each block as the room it would take on the host or NVMe tier (whole slots, or
-        units of a shared slot for a small block), those tiers as the whole slots their budgets
-        hold, and the room of two more blocks of the largest size: with every tier full, a block
-        coming to the device and one leaving it need a free place to pass each other (without
-        one, two full tiers cannot trade blocks), and the device holds whole blocks, so up to one
-        block's bytes of its budget can stay unused (a randomized review found budgets accepted
-        with one block of room that failed mid-run, 70 of 101 such cases train with two); a
-        state the device alone holds is always accepted. Then, since
-        one chunk's update holds all of the chunk's blocks at once (on the device, or on the host
-        in slots), refuse where neither tier can hold the largest one (:meth:`_tier_for`)."""
+        units of shared slots for small blocks, packed: :func:`~hetero.tiers.packed_bytes`),
+        those tiers as the whole slots their budgets hold, and the room of two more blocks of
+        the largest size: with every tier full, a block coming to the device and one leaving it
+        need a free place to pass each other (without one, two full tiers cannot trade blocks),
+        and the device holds whole blocks, so up to one block's bytes of its budget can stay
+        unused (a randomized review found budgets accepted with one block of room that failed
+        mid-run, 70 of 101 such cases train with two); a state the device alone holds is always
+        accepted. Then, since one chunk's update holds all of the chunk's blocks at once (on the
+        device, or on the host in slots), refuse where neither tier can hold the largest one
+        (:meth:`_tier_for`)."""
         rt = self._state.runtime
         sizes = [b.nbytes for c in self._state.chunks for b in c.blocks.values()]
         sizes += [c.full_precision.nbytes for c in self._chunks() if EXP_AVG not in c.blocks] * 2
         if sum(sizes) <= rt.tiers[DEVICE].capacity:
             return  # the device alone holds the whole state
-        need = sum(rt.slot_bytes(n) for n in sizes) + 2 * rt.slot_bytes(max(sizes, default=0))
+        need = packed_bytes(sizes, rt.slot_size) + 2 * rt.slot_bytes(max(sizes, default=0))
         held = {n: t.capacity if n == DEVICE else t.capacity // rt.slot_size * rt.slot_size
                 for n, t in rt.tiers.items()}
         if need > sum(held.values()):
@@ -248,11 +249,11 @@ class Adam(torch.optim.Optimizer):
         update = max(([b.nbytes for b in c.blocks.values()]
                       + [c.full_precision.nbytes] * 2 * (EXP_AVG not in c.blocks) for c in self._chunks()),
                      key=sum, default=[])
-        if sum(update) > rt.tiers[DEVICE].capacity and sum(map(rt.slot_bytes, update)) > rt.tiers[HOST].capacity:
+        if sum(update) > rt.tiers[DEVICE].capacity and packed_bytes(update, rt.slot_size) > rt.tiers[HOST].capacity:
             raise HeteroOOMError(
                 f"one chunk's update holds its parameters, gradient and optimizer states together "
                 f"on the device or the host: {exact_size(sum(update))} on the device, "
-                f"{exact_size(sum(map(rt.slot_bytes, update)))} in host slots, but the device budget "
+                f"{exact_size(packed_bytes(update, rt.slot_size))} in host slots, but the device budget "
                 f"is {exact_size(rt.tiers[DEVICE].capacity)} and the host budget "
                 f"{exact_size(rt.tiers[HOST].capacity)}; raise device_budget or host_budget, or "
                 "use a smaller chunk_size")
@@ -292,7 +293,7 @@ class Adam(torch.optim.Optimizer):
         fits = self._host_fits.get(key)
         if fits is None:
             rt = self._state.runtime
-            fits = self._host_fits[key] = (sum(rt.slot_bytes(b.nbytes) for b in chunk.blocks.values())
+            fits = self._host_fits[key] = (packed_bytes([b.nbytes for b in chunk.blocks.values()], rt.slot_size)
                                            <= rt.tiers[HOST].capacity)
         return fits
 
