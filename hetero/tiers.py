@@ -103,11 +103,8 @@ def whole_units(slot_size: int) -> bool:
 
 def is_small(nbytes: int, slot_size: int) -> bool:
     """Whether a block of ``nbytes`` shares a slot with others (a slab) instead of taking whole
-    slots: at most half a slot's units, so that any two share one. (Half its bytes was not
-    enough: where the unit is the alignment, a slot of 5 units held one block of 3 and kept 2
-    free that no such block could use, while the budget counted them free.)"""
-    unit = unit_for(slot_size)
-    return 2 * slots_for(nbytes, unit) <= slot_size // unit
+    slots: at most half a slot, where a slot holds at least two units."""
+    return 2 * nbytes <= slot_size and slot_size // unit_for(slot_size) >= 2
 
 
 def slot_cost(nbytes: int, slot_size: int) -> int:
@@ -119,26 +116,28 @@ def slot_cost(nbytes: int, slot_size: int) -> int:
 
 def packed_bytes(sizes: "Iterable[int]", slot_size: int) -> int:
     """Room blocks of ``sizes`` take together below the device: whole slots for a large block,
-    and the slots small ones fill when packed (largest first, each into the fullest slot that
-    still has its units). More than the sum of their :func:`slot_cost`: units a shared slot
-    keeps that no block fits in are lost (three 2-unit blocks need two slots of 5 units). What
-    the capacity checks count, so that budgets they accept can be packed."""
+    and the slots small ones fill, placed largest first as a :class:`SlotPool` places them (the
+    first shared slot with room for their units, else a new one). More than the sum of their
+    :func:`slot_cost` where units a shared slot keeps fit no block: three 3-unit blocks need
+    three slots of 5 units. What the capacity checks count: closer than the units alone, not a
+    guarantee, since blocks placed in another order, with frees between, may pack worse (room
+    the checks keep for two of the largest blocks, and host compaction, take up the rest)."""
     unit = unit_for(slot_size)
     per_slot = slot_size // unit
     total = 0
-    slabs = [0] * (per_slot + 1)  # open slots by their free units
+    slabs: list[int] = []  # free units of each shared slot, in the order they were opened
     for n in sorted(sizes, reverse=True):
         if not is_small(n, slot_size):
             total += slots_for(n, slot_size) * slot_size
             continue
         k = slots_for(n, unit)
-        free = next((f for f in range(k, per_slot + 1) if slabs[f]), None)
-        if free is None:
+        for i, free in enumerate(slabs):
+            if free >= k:
+                slabs[i] -= k
+                break
+        else:
+            slabs.append(per_slot - k)
             total += slot_size
-            free = per_slot
-            slabs[free] += 1
-        slabs[free] -= 1
-        slabs[free - k] += 1
     return total
 
 

@@ -176,12 +176,12 @@ def test_small_blocks_share_a_slot() -> None:
 @pytest.mark.parametrize("units", range(2, 17))  # (slots up to 64 KiB: units of the alignment)
 def test_blocks_packed_into_what_the_capacity_checks_count_are_all_placed(units: int) -> None:
     """As many blocks as the capacity checks count as fitting (:func:`packed_bytes`) are all
-    placed, whatever their sizes; for blocks of one size that is every one the budget's units
-    hold where they pack without waste. Found by a randomized review: a budget the optimizer
-    named failed mid-run with the host "free" but no block placeable. Units a shared slot keeps
-    that no block fits in were counted free (2-unit blocks in slots of 5), and where the unit is
-    the alignment, half a slot's bytes rounded up to more than half its units (one 10 KiB block
-    per 20 KiB slot, 8 KiB counted free)."""
+    placed, largest first, whatever their sizes; for blocks of one size that is every one the
+    budget's units hold where they pack without waste. Found by a randomized review: a budget
+    the optimizer named failed mid-run with the host "free" but no block placeable, since the
+    checks counted units a shared slot keeps that no block fits in as free: where the unit is
+    the alignment, a slot may have an odd number of them, and a 20 KiB slot (5 units) held one
+    10 KiB block (3 units) and kept 8 KiB no such block could take."""
     import random
 
     from hetero.tiers import ALIGN, packed_bytes, slot_cost, unit_for
