@@ -178,6 +178,15 @@ def test_budgets_at_the_needs_hetero_names_train(tmp_path) -> None:
         train_at_named_needs(seed, tmp_path / f"swap{seed}")
 
 
+def test_budgets_at_the_named_needs_train_where_shared_slots_pack_with_waste(tmp_path) -> None:
+    """One configuration of the test above beyond its default 12 (seed 50 of 60): its 20 KiB
+    slots hold 5 units, so each shared slot held one 10 KiB block (3 units) and kept 2 free
+    that no such block could take, while the capacity checks counted them free; at the
+    budgets they named, the host ran out of slots mid-run. The checks now count shared slots
+    as their blocks pack (:func:`hetero.tiers.packed_bytes`)."""
+    train_at_named_needs(50, tmp_path / "swap")
+
+
 def train_at_named_needs(seed: int, swap_dir) -> None:
     """One configuration of :func:`test_budgets_at_the_needs_hetero_names_train`."""
     import random
