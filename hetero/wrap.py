@@ -75,6 +75,7 @@ class HeteroState:
         self.sync_grads = True  # (False inside no_sync())
         self.replicas = replicas  # the ranks training the same model (None: one process)
         self.grads_due = False  # a backward outside no_sync() left gradients to average
+        self.local_grads = False  # a backward inside no_sync() left gradients not averaged yet
         self._averaged: set[int] = set()  # chunks an averaging that failed half-way had done
         self._unshared: list[Chunk] = []  # sharded: chunks whose update is still to broadcast
         self.forwards = 0  # units' forwards run: one after a failed step ends it (Adam._ranks_step)
@@ -207,6 +208,7 @@ class HeteroState:
         """A backward is adding gradients: due for averaging unless under no_sync(); a chunk an
         earlier, failed averaging had done is averaged again (linear: still exact)."""
         self.grads_due |= self.sync_grads
+        self.local_grads |= not self.sync_grads
         if self._averaged:
             self._averaged.clear()
 
@@ -277,12 +279,25 @@ class HeteroState:
         """Average the gradients over the ranks if a backward outside ``no_sync()`` ran since the
         last time (:mod:`hetero.distributed`): called by every reader of gradients (the
         optimizer's step, ``clip_grad_norm_``, the scaler's unscale) after adopt_grads."""
-        if self.replicas is None or not self.grads_due:
+        if self.replicas is None:
+            return
+        if not self.grads_due:
+            if self.local_grads and self.replicas.sharded:
+                # (Each rank raises alone: its peers ran the same loop, as DDP assumes of a
+                # backward's collectives.)
+                raise HeteroStateError(
+                    f"gradients were read (step(), clip_grad_norm_ or a scaler's unscale) after "
+                    f"backward passes that all ran under no_sync(): with sharding_strategy="
+                    f"{self.cfg.sharding_strategy.name} each chunk is updated by the one rank that owns "
+                    "its optimizer state, which cannot apply the other ranks' local gradients; "
+                    "expected the step's last backward outside no_sync() (it averages all that was "
+                    "accumulated, as DDP), or sharding_strategy='NO_SHARD', whose ranks each step "
+                    "their own local gradients as DDP's do")
             return
         self.runtime.check_open()
         self.drop_stale_pins()
         average_gradients(self.replicas, self.runtime, self.chunks, self._averaged)
-        self.grads_due = False
+        self.grads_due = self.local_grads = False
         self._averaged.clear()
 
     @critical
@@ -322,7 +337,7 @@ class HeteroState:
         self.runtime.check_open()
         self.drop_stale_pins()
         if params is None:
-            self.grads_due = False  # (nothing left to average)
+            self.grads_due = self.local_grads = False  # (nothing left to average)
             self._averaged.clear()
         assigned = [s.param for c in self.chunks for s in c.slots
                     if s.param.grad is not None and (params is None or id(s.param) in params)]

@@ -123,6 +123,33 @@ def _case_lru_no_sync_clip(rank: int, where: Path) -> None:
         wrapped.close()
 
 
+def _case_step_after_no_sync_only(rank: int, where: Path) -> None:
+    """Sharded, a step (or clip) whose backwards all ran under no_sync() updated each chunk with
+    its owner's local gradient alone, dropping the other rank's, silently (found in review): it
+    now raises HeteroStateError on every rank, changing nothing; the step's last backward
+    outside no_sync() then averages all that was accumulated and takes DDP's step. NO_SHARD
+    steps each rank's local gradients, as DDP."""
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where / strategy,
+                                                             sharding_strategy=strategy))
+        (x, y), (x2, y2) = batches(2, seed=100 + rank)
+        with ddp.no_sync(), wrapped.no_sync():
+            loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+        if strategy == "NO_SHARD":  # (each rank steps its own gradients, as DDP's)
+            eopt.step(), hopt.step()
+        else:
+            before = {k: v.clone() for k, v in wrapped.state_dict().items()}
+            for read in (hopt.step, lambda: wrapped.clip_grad_norm_(1.0)):
+                with pytest.raises(hetero.HeteroStateError, match="all ran under no_sync"):
+                    read()
+            after = wrapped.state_dict()
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            loss_of(ddp(x2, y2)).backward(), loss_of(wrapped(x2, y2)).backward()
+            eopt.step(), hopt.step()
+        assert_same_model(eager, wrapped)
+        wrapped.close()
+
+
 class TwoHeads(nn.Module):
     """A trunk and two heads; rank r's batches take head r only (a routed model's experts)."""
 
@@ -591,6 +618,7 @@ def _case_fp16_average(rank: int, where: Path) -> None:
 CASES = {
     "nvme_auto": _case_nvme_auto,
     "lru_no_sync_clip": _case_lru_no_sync_clip,
+    "step_after_no_sync_only": _case_step_after_no_sync_only,
     "unused_on_some_ranks": _case_unused_on_some_ranks,
     "sync_module_states": _case_sync_module_states,
     "layout_mismatch": _case_layout_mismatch,
