@@ -278,7 +278,9 @@ class HeteroState:
     def reduce_gradients(self) -> None:
         """Average the gradients over the ranks if a backward outside ``no_sync()`` ran since the
         last time (:mod:`hetero.distributed`): called by every reader of gradients (the
-        optimizer's step, ``clip_grad_norm_``, the scaler's unscale) after adopt_grads."""
+        optimizer's step, ``clip_grad_norm_``, the scaler's unscale) after adopt_grads. Sharded,
+        gradients that backwards under ``no_sync()`` alone left are refused (HeteroStateError):
+        each chunk's owner would update it with its own local gradient."""
         if self.replicas is None:
             return
         if not self.grads_due:
