@@ -116,29 +116,19 @@ def slot_cost(nbytes: int, slot_size: int) -> int:
 
 def packed_bytes(sizes: "Iterable[int]", slot_size: int) -> int:
     """Room blocks of ``sizes`` take together below the device: whole slots for a large block,
-    and the slots small ones fill, placed largest first as a :class:`SlotPool` places them (the
-    first shared slot with room for their units, else a new one). More than the sum of their
-    :func:`slot_cost` where units a shared slot keeps fit no block: three 3-unit blocks need
-    three slots of 5 units. What the capacity checks count: closer than the units alone, not a
-    guarantee, since blocks placed in another order, with frees between, may pack worse (room
-    the checks keep for two of the largest blocks, and host compaction, take up the rest)."""
-    unit = unit_for(slot_size)
-    per_slot = slot_size // unit
-    total = 0
-    slabs: list[int] = []  # free units of each shared slot, in the order they were opened
-    for n in sorted(sizes, reverse=True):
-        if not is_small(n, slot_size):
-            total += slots_for(n, slot_size) * slot_size
-            continue
-        k = slots_for(n, unit)
-        for i, free in enumerate(slabs):
-            if free >= k:
-                slabs[i] -= k
-                break
-        else:
-            slabs.append(per_slot - k)
-            total += slot_size
-    return total
+    and the slots small ones fill, placed largest first into a :class:`SlotPool`. More than the
+    sum of their :func:`slot_cost` where units a shared slot keeps fit no block: three 3-unit
+    blocks need three slots of 5 units. What the capacity checks count: closer than the units
+    alone, not a guarantee, since blocks placed in another order, with frees between, may pack
+    worse (room the checks keep for two of the largest blocks, and host compaction, take up the
+    rest)."""
+    sizes = list(sizes)
+    small = sorted((n for n in sizes if is_small(n, slot_size)), reverse=True)
+    pool = SlotPool(len(small), slot_size)  # (each opens at most one shared slot)
+    for i, n in enumerate(small):
+        pool.alloc(n, i)
+    shared = sum(o is not None for o in pool.owner)
+    return (shared + sum(slots_for(n, slot_size) for n in sizes if not is_small(n, slot_size))) * slot_size
 
 
 class Slab:

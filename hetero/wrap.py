@@ -1032,6 +1032,15 @@ def _own_meta(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: t for k, t in own.items() if t is not None and t.is_meta}
 
 
+def _tied_from_below(module: nn.Module, t: torch.Tensor) -> bool:
+    """Whether ``t``, held by ``module``, is a parameter of a module below it that ``module``
+    has no ``reset_parameters`` of its own to initialize: a tie a parent made to a child's
+    parameter (``self.w = self.emb.weight``), made after the child built it, which the child
+    initializes."""
+    return not hasattr(module, "reset_parameters") and any(
+        p is t for d in module.modules() if d is not module for p in d._parameters.values())
+
+
 def _adopt_below(below: dict[tuple[nn.Module, str], nn.Parameter], names: dict[int, str]) -> None:
     """After an initializer ran on a module: where it replaced meta parameters of modules below
     it with new materialized ones (``module.to_empty(device=...)``, whose ``recurse`` is True by
@@ -1076,17 +1085,8 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
     # as the tie made it: the values staged first stand).
     last_holder = {id(p): i for i, m in enumerate(modules) for p in m.parameters(recurse=False)}
     # A tie's values are those of the first holder that initializes it, as in eager construction
-    # (a tied head's own draw is lost) - but not a holder above another one that has no
-    # reset_parameters of its own: such a parent's tie to a child's parameter (``self.w =
-    # self.emb.weight``) was made after the child built it.
-    holders: dict[int, list[nn.Module]] = {}
-    for m in modules:
-        for p in m.parameters(recurse=False):
-            holders.setdefault(id(p), []).append(m)
-
-    def holds_from_below(m: nn.Module, p: nn.Parameter) -> bool:
-        others = [h for h in holders[id(p)] if h is not m]
-        return bool(others) and not hasattr(m, "reset_parameters") and any(d in others for d in m.modules())
+    # (a tied head's own draw is lost) - but not a parent's tie to a child's parameter
+    # (_tied_from_below).
     placed: list[Chunk] = []
     materialized: set[int] = set()  # modules an initializer of a module above them materialized
     # Modules built on meta whose tensors are all ties an earlier module made real (a tied
@@ -1148,7 +1148,7 @@ def _materialize(root: nn.Module, chunks: list[Chunk], runtime: Runtime,
                     "parameters as they are before initialization; expected param_init_fn / "
                     "reset_parameters to fill them in place (nn.init.*, copy_ under torch.no_grad())")
         for p in m.parameters(recurse=False):
-            if id(p) in slot_of and id(p) not in done and not holds_from_below(m, p):  # ties: once
+            if id(p) in slot_of and id(p) not in done and not _tied_from_below(m, p):  # ties: once
                 done.add(id(p))
                 stage(p)
         for name, b in list(m._buffers.items()):
@@ -1335,11 +1335,8 @@ def _prepare(module: nn.Module, replicas: Optional[Replicas], sync_module_states
     _check_budgets(cfg, units, parents, chunks)
     if cfg.param_init_fn is None:
         for name, m in module.named_modules():
-            own = dict(m._parameters) | dict(m._buffers)
-            meta = [k for k, t in own.items() if t is not None and t.is_meta]
-            if meta and not hasattr(m, "reset_parameters"):  # (a tie to a parameter below: initialized there)
-                below = {id(t) for d in m.modules() if d is not m for t in d._parameters.values() if t is not None}
-                meta = [k for k in meta if id(own[k]) not in below]
+            # (a tie to a parameter below is initialized there)
+            meta = [k for k, t in _own_meta(m).items() if not _tied_from_below(m, t)]
             if meta and not hasattr(m, "reset_parameters"):
                 raise HeteroConfigError(
                     f"module {name or type(m).__name__!r} has meta-device tensors ({', '.join(meta)}) and no "
