@@ -105,6 +105,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // ---- Copy engine (csrc/copy.h); hetero.copies is the Python face.
   m.attr("COPY_CUDA") = hetero::CopyEngine::has_cuda();
+  m.def("pinned_empty", &hetero::pinned_empty, py::arg("nbytes"),
+        "uint8 CPU tensor of nbytes, page-aligned and page-locked with cudaHostRegister (exactly "
+        "those bytes, released when the tensor's storage is freed); needs a HETERO_CUDA build.");
   py::class_<hetero::CopyHandle>(m, "CopyHandle", "One queued copy of a CopyEngine.")
       .def("wait", &hetero::CopyHandle::wait, py::call_guard<py::gil_scoped_release>(),
            "Block (GIL released) until the copy is complete; RuntimeError if it failed.")

@@ -1,6 +1,10 @@
 #include "copy.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -460,6 +464,37 @@ void CopyEngine::worker() {
     }
     if (finished) shared_->done_cv.notify_all();
   }
+}
+
+at::Tensor pinned_empty(int64_t nbytes) {
+  if (nbytes < 0) throw std::invalid_argument("pinned_empty needs nbytes >= 0");
+#ifdef HETERO_CUDA
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t len = std::max<size_t>(page, (static_cast<size_t>(nbytes) + page - 1) / page * page);
+  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    std::ostringstream msg;
+    msg << "pinned_empty: mmap of " << len << " bytes failed: " << std::strerror(errno);
+    throw std::runtime_error(msg.str());
+  }
+  cudaError_t err = cudaHostRegister(p, len, cudaHostRegisterDefault);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // (clear it: the failure is reported here, not at the next CUDA call)
+    munmap(p, len);
+    std::ostringstream msg;
+    msg << "pinned_empty: cudaHostRegister of " << len << " bytes failed: " << cudaGetErrorString(err);
+    throw std::runtime_error(msg.str());
+  }
+  return at::from_blob(
+      p, {nbytes},
+      [len](void* ptr) {
+        cudaHostUnregister(ptr);
+        munmap(ptr, len);
+      },
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+#else
+  throw std::runtime_error("pinned_empty: hetero._C was built without CUDA (HETERO_CUDA)");
+#endif
 }
 
 }  // namespace hetero

@@ -122,4 +122,12 @@ class CopyEngine {
   std::vector<void*> streams_;  // cudaStream_t, 3 per device (h2d, d2h, d2d), created lazily
 };
 
+// A uint8 CPU tensor of nbytes, page-aligned and page-locked (cudaHostRegister over an anonymous
+// mapping), for the host arena: exactly the bytes asked for, where torch's pinned allocator rounds
+// each request up to a power of two (a 40 GiB arena would lock 64 GiB) and keeps the memory locked
+// in its cache after the tensor is freed. The memory is unregistered and unmapped when the tensor's
+// storage is freed. Throws std::runtime_error if the mapping or the registration fails (or the
+// build has no CUDA).
+at::Tensor pinned_empty(int64_t nbytes);
+
 }  // namespace hetero

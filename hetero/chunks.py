@@ -37,6 +37,7 @@ class ParamSlot:
     shape: torch.Size
     has_grad: bool = False  # a gradient was accumulated since the last zero_grad
     step: int = 0  # optimizer steps taken (torch keeps this per parameter)
+    rest_version: int = 0  # the parameter's version counter when it was last pointed at the placeholder
     # The hetero optimizer whose state (step, moments) the slot holds: a weakref.ref, or None.
     owner: Optional[Callable[[], object]] = None
 
@@ -143,25 +144,43 @@ class Chunk:
         parameters are at rest)."""
         for s in self.slots:
             s.param.data = self._poison.expand(s.shape)
+            s.rest_version = s.param._version
         self.attached = False
 
-    def written_at_rest(self) -> list[str]:
+    def advance_versions(self) -> None:
+        """Advance the parameters' version counters for a write of the param block (hetero's own,
+        not one at rest: :meth:`written_at_rest` still sees a write at rest made before)."""
+        for s in self.slots:
+            torch.autograd.graph.increment_version(s.param)
+            s.rest_version += 1
+
+    def written_at_rest(self, placeholder_written: bool = False) -> list[str]:
         """Names of the parameters at rest if one of them was written in place since it was
         detached (the write went to the shared placeholder, not to the chunk's blocks: lost);
-        the placeholder is NaN again afterwards. Else []."""
-        value = self._poison.item()
-        if value != value:  # NaN (a write to a parameter bumps its own version counter, not this one's)
+        the placeholder is NaN again afterwards. Else []. A write through the parameter
+        (``p.fill_``, ``nn.init.*``) moves its version counter, which is read here; one through
+        ``p.data`` moves no counter and shows in the placeholder's value only, which the caller
+        reads (``placeholder_written``, :func:`placeholders_written`): on a GPU reading it waits
+        for the device, so that is not done at every unit's forward."""
+        at_rest = [s for s in self.slots if s.param.data_ptr() == self._poison.data_ptr()]
+        if not placeholder_written and all(s.param._version == s.rest_version for s in at_rest):
             return []
-        old, self._poison = self._poison, torch.full((), math.nan, dtype=self.dtype, device=self.compute_device)
-        names = []
-        for s in self.slots:
-            if s.param.data_ptr() == old.data_ptr():
-                s.param.data = self._poison.expand(s.shape)
-                names.append(s.names[0])
-        return names
+        self._poison = torch.full((), math.nan, dtype=self.dtype, device=self.compute_device)
+        for s in at_rest:
+            s.param.data = self._poison.expand(s.shape)
+            s.rest_version = s.param._version
+        return [s.names[0] for s in at_rest]
 
     def __repr__(self) -> str:
         return f"Chunk({self.index}, {self.dtype}, numel={self.numel}, params={len(self.slots)})"
+
+
+def placeholders_written(chunks: list[Chunk]) -> list[bool]:
+    """For each chunk, whether its NaN placeholder reads other than NaN (a parameter at rest was
+    written through ``p.data``): one read of them all, a single wait for the device on a GPU."""
+    if not chunks:
+        return []
+    return torch.stack([c._poison.isnan() for c in chunks]).logical_not().tolist()
 
 
 def pack(groups: Iterable[list[tuple[nn.Parameter, list[str]]]], chunk_bytes: int,

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from . import models
-from .config import format_size, parse_size
+from .config import default_device, format_size, parse_size
 from .errors import HeteroConfigError, HeteroError
 from .interrupts import deferring
 
@@ -122,9 +122,7 @@ def resolve_device(device: str | None) -> torch.device:
         except RuntimeError:
             raise HeteroConfigError(f"--device {device!r} is not a device; expected cpu, cuda or "
                                     "cuda:N") from None
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    return default_device()
 
 
 def default_budgets(state: int, device_budget: Any, host_budget: Any, nvme: bool,
@@ -180,7 +178,7 @@ def ranks(device: torch.device) -> Iterator[tuple[int, int, torch.device]]:
                                 "expected one process, or a torch build with distributed support")
     if device.type == "cuda":
         if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            device = default_device()
         torch.cuda.set_device(device)  # (NCCL and hetero's collectives use the current device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:

@@ -163,12 +163,29 @@ class Config:
     log_steps: Optional[int] = None  # the report's logs keep the last this many steps (None: all)
 
 
+def default_device() -> torch.device:
+    """Where a model computes by default: GPU ``LOCAL_RANK`` (torchrun's, 0 without it) when CUDA
+    is available, else the CPU. HeteroConfigError where that GPU is not visible (a launcher
+    that shows each rank only its own GPU)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    try:
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        index = -1
+    if not 0 <= index < torch.cuda.device_count():
+        raise HeteroConfigError(
+            f"the default device is the GPU numbered LOCAL_RANK ({os.environ.get('LOCAL_RANK')!r}), "
+            f"but {torch.cuda.device_count()} CUDA device(s) are visible (cuda:0..cuda:"
+            f"{torch.cuda.device_count() - 1}); expected the device given explicitly (device='cuda:N', "
+            "or --device cuda:N)")
+    return torch.device("cuda", index)
+
+
 def _parse_device(device: Any) -> torch.device:
     accepted = "'cpu', 'cuda', 'cuda:N', a torch.device or None"
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+        return default_device()
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:

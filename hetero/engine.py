@@ -131,13 +131,19 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = False) ->
     """Uninitialised uint8 CPU tensor of ``nbytes`` whose data_ptr is a multiple of ``alignment``.
 
     O_DIRECT needs aligned buffers and torch's allocator only promises 64 bytes, so this
-    over-allocates by ``alignment`` and slices. ``pin`` page-locks it when CUDA is available.
+    over-allocates by ``alignment`` and slices. ``pin`` page-locks it when CUDA is available:
+    exactly ``nbytes`` (page-aligned, :func:`hetero._C.pinned_empty`) where the extension has
+    CUDA, for torch's pinned allocator rounds each request up to a power of two (nearly twice
+    the host budget locked) and keeps it locked after the tensor is freed; that allocator only
+    where the extension was built without CUDA. RuntimeError where the memory cannot be locked.
     """
     if nbytes < 0 or alignment < 1:
         raise ValueError(f"aligned_empty needs nbytes >= 0 and alignment >= 1, "
                          f"got {nbytes} and {alignment}")
-    raw = torch.empty(nbytes + alignment, dtype=torch.uint8,
-                      pin_memory=pin and torch.cuda.is_available())
+    pin = pin and torch.cuda.is_available()
+    if pin and _C is not None and _C.COPY_CUDA and os.sysconf("SC_PAGESIZE") % alignment == 0:
+        return _C.pinned_empty(nbytes)
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % alignment
     return raw[start:start + nbytes]
 

@@ -26,7 +26,8 @@ from typing import Any, Callable, Collection, Iterable, Optional
 import torch
 
 from . import copies, engine
-from .errors import HeteroConfigError, HeteroIOError
+from .config import format_size
+from .errors import HeteroConfigError, HeteroIOError, HeteroOOMError
 from .interrupts import critical
 
 log = logging.getLogger(__name__)
@@ -498,14 +499,25 @@ class Handles:
 class HostArena:
     """One host allocation, carved into fixed slots; pinned when CUDA is present.
 
-    The arena is sized to what the host tier can ever hold (``min(budget, model state)``), so the
-    pages a small model never touches are never committed.
+    The arena is sized to what the host tier can ever hold (``min(budget, model state)``). Without
+    CUDA the pages it never touches are never committed; pinned, all of it is locked at once
+    (exactly its bytes: :func:`hetero.engine.aligned_empty`), and a failure to lock it is a
+    HeteroOOMError naming the host budget.
     """
 
     def __init__(self, nslots: int, slot_size: int, pin: bool) -> None:
         self.pool = SlotPool(max(1, nslots), slot_size)
         self.nbytes = len(self.pool.owner) * slot_size
-        self.buffer = engine.aligned_empty(self.nbytes, ALIGN, pin=pin)
+        try:
+            self.buffer = engine.aligned_empty(self.nbytes, ALIGN, pin=pin)
+        except RuntimeError as exc:
+            if not pin:
+                raise
+            raise HeteroOOMError(
+                f"cannot page-lock the host arena of {self.nbytes} bytes ({format_size(self.nbytes)}), "
+                f"the host tier's room (host_budget, at most the model's state): {exc}; expected a "
+                "smaller host_budget (pinned memory is committed whole; with an NVMe tier the rest "
+                "of the state goes to swap) or a higher locked-memory limit (ulimit -l)") from exc
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """The uint8 bytes at ``offset`` (rounded up to the alignment swap I/O needs)."""
@@ -890,8 +902,7 @@ class TierStorage:
         opt.step(); loss.backward()``) raises as in eager instead of mixing old activations
         with new weights."""
         if block.kind == "param":
-            for s in block.chunk.slots:
-                torch.autograd.graph.increment_version(s.param)
+            block.chunk.advance_versions()
 
     def close(self, blocks: Iterable[Any] = ()) -> None:
         """Stop the engines, remove the swap and give back the host arena and the device memory

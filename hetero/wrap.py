@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import config as config_mod
-from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack
+from .chunks import GRAD, MASTER, PARAM, Block, Chunk, ParamSlot, pack, placeholders_written
 from .config import Config, ShardingStrategy, exact_size, format_budget, format_size, raise_budget_advice
 from .distributed import (Replicas, average_gradients, broadcast_states, broadcast_updates, peer_failed,
                           resolve_group, taken)
@@ -93,7 +93,7 @@ class HeteroState:
         self.forwards += 1
         if self._unshared:
             self.share_updates([])
-        self.check_rest_writes({id(b.chunk): b.chunk for b in unit.param_blocks}.values())
+        self.check_rest_writes(list({id(b.chunk): b.chunk for b in unit.param_blocks}.values()), values=False)
         if torch._C._current_graph_task_id() == -1:  # a real forward
             self.runtime.acquire(unit.param_blocks)
             return Call(unit, forward_pinned=True, forward_start=self.runtime.tracker.now(),
@@ -259,13 +259,17 @@ class HeteroState:
             finally:
                 self.runtime.release([block], DEVICE)
 
-    def check_rest_writes(self, chunks: Iterable[Chunk]) -> None:
+    def check_rest_writes(self, chunks: list[Chunk], values: bool = True) -> None:
         """Raise where a parameter at rest (a NaN placeholder off the device) was written in place
         (``p.fill_``, ``nn.init.*`` outside ``model.apply``): the write reached no block and is
-        lost, which would otherwise go unnoticed. Once: the placeholder is NaN again after."""
+        lost, which would otherwise go unnoticed. Once: the placeholder is NaN again after.
+        ``values``: also read the placeholders, which a write through ``p.data`` alone changes
+        (:meth:`Chunk.written_at_rest`): a wait for the device on a GPU, so once per forward at
+        the root, not at each unit's."""
         self.runtime.check_open()
-        for chunk in chunks:
-            names = chunk.written_at_rest()
+        written = placeholders_written(chunks) if values else [False] * len(chunks)
+        for chunk, changed in zip(chunks, written):
+            names = chunk.written_at_rest(changed)
             if names:
                 raise HeteroStateError(
                     f"a parameter among {', '.join(repr(n) for n in names[:4])}"
@@ -499,6 +503,7 @@ class HeteroModule(nn.Module):
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs))
         _refuse_transforms()
         self._hetero_state.drop_stale_pins()  # (not in a checkpoint's re-run of the root inside backward)
+        self._hetero_state.check_rest_writes(self._hetero_state.chunks)
         try:
             return self.module(*args, **kwargs)
         except BaseException:

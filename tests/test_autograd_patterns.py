@@ -5,6 +5,7 @@ inference-mode forward before training, containers without a forward of their ow
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -316,9 +317,12 @@ def test_a_write_to_a_parameter_at_rest_is_reported_not_lost_in_silence() -> Non
     at_rest = [p for p in wrapped.module.parameters() if p.isnan().all()]
     assert at_rest
     before = wrapped.state_dict()
-    for read in (wrapped.state_dict, lambda: wrapped(x)):
+    hopt = hetero.optim.AdamW(wrapped.parameters(), lr=0.0)
+    writes = (lambda p: nn.init.zeros_(p), lambda p: p.data.fill_(1.0))  # (the second moves no version)
+    for write, read in itertools.product(writes, (wrapped.state_dict, lambda: wrapped(x),
+                                                   lambda: (hopt.step(), wrapped(x)))):
         with torch.no_grad():
-            nn.init.zeros_(at_rest[0])
+            write(at_rest[0])
         with pytest.raises(hetero.HeteroStateError, match="written in place while at rest"):
             read()
         assert at_rest[0].isnan().all()  # a placeholder again
@@ -327,6 +331,20 @@ def test_a_write_to_a_parameter_at_rest_is_reported_not_lost_in_silence() -> Non
     with wrapped.summon_full_params():  # the way to write
         nn.init.zeros_(at_rest[0])
     assert any((v == 0).all() for v in wrapped.state_dict().values())
+
+
+def test_units_forwards_do_not_read_the_placeholders(monkeypatch) -> None:
+    """Reading a value to the host (``item``, ``tolist``) waits for the device on a GPU: the
+    placeholders are read once per forward at the root (and in summons), not at each unit's
+    forward, which checks version counters."""
+    wrapped = hetero.wrap(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]), device="cpu",
+                          chunk_size="8KiB", device_budget="16KiB")
+    reads = []
+    for name in ("item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, real=real, name=name: reads.append(name) or real(t))
+    wrapped(torch.randn(4, 32)).sum().backward()
+    assert len(wrapped._hetero_state.chunks) == 6 and reads == ["tolist"]
 
 
 class _TwoHeads(nn.Module):

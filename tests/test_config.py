@@ -103,6 +103,23 @@ def test_bad_device(device, tmp_path):
     expect_config_error("device", device, tmp_path, device=device, nvme_path=tmp_path / "swap")
 
 
+@pytest.mark.parametrize("local_rank", ["1", "-1", "x"])
+def test_default_device_that_is_not_visible(local_rank, monkeypatch):
+    """A launcher showing each rank only its GPU (LOCAL_RANK=1, one device visible): the default
+    device is refused naming LOCAL_RANK and what to pass, not a raw CUDA error later."""
+    from hetero.cli import resolve_device
+    from hetero.config import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert default_device() == resolve_device(None) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    for pick in (default_device, lambda: resolve_device(None)):
+        with pytest.raises(hetero.HeteroConfigError, match=r"LOCAL_RANK .*cuda:0\.\.cuda:0.*device='cuda:N'"):
+            pick()
+
+
 BAD_SIZES = [-1, 0, "12 parsecs", "abc", 1.5, True, "", "-5MiB", [1]]
 
 

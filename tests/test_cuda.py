@@ -87,6 +87,28 @@ def test_host_arena_is_pinned() -> None:
     assert wrapped._hetero_state.runtime.storage.arena.buffer.is_pinned()
 
 
+@pytest.mark.skipif(not hetero.engine.has_extension() or not hetero.engine._C.COPY_CUDA,
+                    reason="needs hetero._C built with CUDA")
+def test_pinned_buffers_lock_exactly_their_bytes_outside_torchs_cache() -> None:
+    """torch's pinned allocator rounds each request up to a power of two (an arena of 33 MiB
+    locked 64) and keeps it cached after: the arena's buffer is registered memory instead,
+    page-aligned, as usable for asynchronous copies, and let go with the tensor."""
+    from hetero import engine
+
+    cached = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    n = (33 << 20) + 5
+    buf = engine.aligned_empty(n, pin=True)
+    assert buf.numel() == n and buf.data_ptr() % 4096 == 0 and buf.is_pinned()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == cached
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    buf.copy_(src)
+    on_gpu = buf.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), src)
+    del buf
+    torch.cuda.synchronize()
+
+
 # ---- the copy engine (hetero.copies) on the GPU
 
 

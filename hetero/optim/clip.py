@@ -79,7 +79,22 @@ def _local_norms(state: "HeteroState", chunks: list["Chunk"], norm_type: float) 
                     g = s.slice(flat)  # low-precision gradients are measured in fp32, as on their masters
                     g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
                     g = g if scale is None else g * scale.to(g.device)
-                    per_param[id(s.param)] = torch.linalg.vector_norm(g, norm_type).to(state.cfg.device)
+                    per_param[id(s.param)] = torch.linalg.vector_norm(g, norm_type)
         finally:
             rt.release([block], tier)
-    return per_param
+    return dict(zip(per_param, _moved(list(per_param.values()), state.cfg.device)))
+
+
+def _moved(norms: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``norms`` (0-dim, each where its gradient is) on ``device``, in order: one copy per device
+    they come from (one copy each would wait for the GPU at every parameter on the host)."""
+    out: list[torch.Tensor] = list(norms)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(norms):
+        by_device.setdefault(t.device, []).append(i)
+    for src, idx in by_device.items():
+        if src != device:
+            moved = torch.stack([norms[i] for i in idx]).to(device)
+            for j, i in enumerate(idx):
+                out[i] = moved[j]
+    return out

@@ -63,7 +63,7 @@ def _check_and_unscale(state: "HeteroState", ours: set[int], inv_scale: torch.Te
     """Whether any of this optimizer's gradients (ids ``ours``) on this rank is inf/NaN; unscales
     mixed chunks in place and leaves the others' unscale pending (see the module docstring)."""
     rt = state.runtime
-    bad = torch.zeros((), dtype=torch.bool)
+    bad: dict[torch.device, torch.Tensor] = {}  # where the gradients are (read once, at the end)
     scale = inv_scale.to(torch.float32)
     for chunk in state.chunks:
         slots = [s for s in chunk.slots if s.has_grad and id(s.param) in ours]
@@ -79,7 +79,8 @@ def _check_and_unscale(state: "HeteroState", ours: set[int], inv_scale: torch.Te
         try:
             flat = rt.data(block, tier)
             for s in slots:
-                bad |= ~torch.isfinite(s.slice(flat)).all().cpu()
+                found = ~torch.isfinite(s.slice(flat)).all()
+                bad[flat.device] = found if flat.device not in bad else bad[flat.device] | found
                 if mixed:
                     with torch.no_grad():
                         s.slice(flat).mul_(scale.to(flat.device))
@@ -87,7 +88,7 @@ def _check_and_unscale(state: "HeteroState", ours: set[int], inv_scale: torch.Te
             rt.release([block], tier)
         if not mixed:
             chunk.grad_scale = scale if chunk.grad_scale is None else chunk.grad_scale * scale
-    return bad
+    return torch.stack([b.cpu() for b in bad.values()]).any() if bad else torch.zeros((), dtype=torch.bool)
 
 
 __all__ = ["GradScaler"]
