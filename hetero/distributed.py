@@ -178,18 +178,23 @@ class Replicas:
         """Run this rank's ``work`` (its I/O before a collective), then agree that every rank's
         succeeded: a HeteroIOError or HeteroOOMError on any rank raises on every rank, so none is
         left waiting in the collective that follows. This rank raises ``own(its error)``, or,
-        where another rank failed, ``peer()`` after ``undo()`` (what ``work`` holds)."""
+        where another rank failed, ``peer()`` after ``undo()`` (what ``work`` holds), of the
+        kind the failing rank raised (HeteroIOError where ranks failed both ways), so that code
+        catching one kind sees it on every rank."""
         failure: Optional[BaseException] = None
         result: Any = None
         try:
             result = work()
         except (HeteroIOError, HeteroOOMError) as exc:
             failure = exc
-        if not self.agree(failure is None):
+        io, oom = self.any([isinstance(failure, HeteroIOError), isinstance(failure, HeteroOOMError)])
+        if io or oom:
             if failure is not None:
                 raise own(failure)
             undo()
-            raise peer()
+            exc = peer()
+            kind = HeteroIOError if io else HeteroOOMError
+            raise exc if isinstance(exc, kind) else kind(*exc.args)
         return result
 
     def average(self, flat: torch.Tensor, chunk: Optional["Chunk"] = None) -> None:

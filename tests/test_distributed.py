@@ -377,6 +377,47 @@ def _case_noshard_update_failure(rank: int, where: Path) -> None:
     wrapped.close()
 
 
+def _case_noshard_catch_up_failure(rank: int, where: Path) -> None:
+    """NO_SHARD: the updates the last step postponed, which step() runs first, failing on rank 1
+    alone (out of memory): rank 1 still takes part in the gradient averaging (it had left rank 0
+    alone in the averaging's collectives: gloo aborted, or paired them wrongly), also where rank
+    0 averaged earlier, measuring the norm; then both ranks raise, each an out-of-memory error,
+    as where a gradient read fails in the averaging on rank 1. step() again on both completes
+    the step, as DDP's."""
+    eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where, sharding_strategy="NO_SHARD"))
+    rt = wrapped._hetero_state.runtime
+    catch_up, acquire, armed = rt.catch_up, rt.acquire, {"catch_up": False, "acquire": False}
+
+    def failing_catch_up(*args, **kwargs):
+        if armed["catch_up"]:
+            armed["catch_up"] = False
+            raise hetero.HeteroOOMError("injected: no room for a postponed update")
+        return catch_up(*args, **kwargs)
+
+    def failing_acquire(blocks, *args, **kwargs):
+        if armed["acquire"] and blocks[0].kind == "grad":
+            armed["acquire"] = False
+            raise hetero.HeteroOOMError("injected: no room for a gradient")
+        return acquire(blocks, *args, **kwargs)
+
+    rt.catch_up, rt.acquire = failing_catch_up, failing_acquire
+    for step, (x, y) in enumerate(batches(5, seed=100 + rank)):
+        loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+        if step == 3 and rank == 0:
+            torch.testing.assert_close(wrapped.clip_grad_norm_(float("inf")).cpu(),
+                                       torch.nn.utils.clip_grad_norm_(ddp.parameters(), float("inf")))
+        eopt.step()
+        if step in (1, 2, 3):
+            armed["acquire" if step == 2 else "catch_up"] = rank == 1
+            with pytest.raises(hetero.HeteroOOMError, match="injected" if rank == 1 else "another rank"):
+                hopt.step()
+        hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+    assert_same_model(eager, wrapped)
+    _assert_same_optimizer(eopt, hopt)
+    wrapped.close()
+
+
 def _case_failures_before_collectives(rank: int, where: Path) -> None:
     """Sharded, a failure on rank 1 alone raises on every rank instead of leaving rank 0 in a
     collective: in the update (a write-back's drain), where step() again on every rank completes
@@ -630,6 +671,7 @@ CASES = {
     "failed_sharing": _case_failed_sharing,
     "failures_before_collectives": _case_failures_before_collectives,
     "noshard_update_failure": _case_noshard_update_failure,
+    "noshard_catch_up_failure": _case_noshard_catch_up_failure,
     "frozen_on_one_rank": _case_frozen_on_one_rank,
     "wrap_arguments_differ": _case_wrap_arguments_differ,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,

@@ -403,8 +403,17 @@ class Adam(torch.optim.Optimizer):
         rt = st.runtime
         if st._unshared:  # (sharded: a failed step's broadcast first)
             st.share_updates([])
-        rt.catch_up()  # the last step's postponed updates first: they read its gradients
-        st.adopt_grads(p for g in self.param_groups for p in g["params"])
+        try:
+            rt.catch_up()  # the last step's postponed updates first: they read its gradients
+            st.adopt_grads(p for g in self.param_groups for p in g["params"])
+        except (HeteroIOError, HeteroOOMError):
+            if st.replicas is None:
+                raise
+            # The other ranks are about to average gradients, or already are (a gradient reader
+            # on one rank alone, clip_grad_norm_, averages there): this rank joins them, then
+            # fails its update (the ranks agree on that after it, in _ranks_step).
+            st.reduce_gradients()
+            raise
         st.reduce_gradients()
         groups = self._group_index()
         work = [self._plan(c, runs, groups)
