@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from .config import SizeLike, file_path, format_budget, format_size, parse_policy, parse_prefetch, parse_size
 from .errors import HeteroConfigError, HeteroStateError
@@ -18,6 +18,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 _UNKNOWN = object()  # a Report made without saying what its run's policy started as
+
+
+class _Snapshot(NamedTuple):
+    """A log as it was: its first ``n`` entries (the tracker only appends to a log's list, and
+    replaces the list to drop entries)."""
+
+    entries: list
+    n: int
 
 
 class Report:
@@ -34,29 +42,62 @@ class Report:
         # it ran); None where the instance could not be copied; by default the summary's name.
         # minimums: the smallest budgets hetero.wrap accepts for the run's model ("device",
         # "host" without NVMe, "host+nvme" with it), which replays are held to as well.
+        # The logs: lists, or snapshots of the lists the run's tracker goes on appending to,
+        # copied when first read (a report per step of a long run would otherwise copy every
+        # log each time).
         self._summary = summary
         self._minimums = minimums or {}
         self._policy = policy
-        self.accesses = accesses
-        self.moves = moves
-        self.usage = usage
-        self.stalls = stalls
-        self.computes = list(computes)  # (unit or "optimizer", phase, start, end)
+        logs = {"accesses": accesses, "moves": moves, "usage": usage, "stalls": stalls,
+                "computes": computes, "events": events}
+        self._logs = {k: v if isinstance(v, _Snapshot) else list(v) for k, v in logs.items()}
         self.log_first_step = log_first_step  # the oldest step the logs hold (wrap's log_steps)
-        self.events = list(events)  # every runtime call, for replay in the simulator
         self.catalog = catalog or {}  # block id -> (kind, bytes)
         self.slot_size = slot_size
         self.prefetch = prefetch
         self.host_slots = host_slots  # the host arena's size limit from the model state
         self.nvme_files = nvme_files  # slots of each swap file
 
+    def _log(self, name: str) -> list:
+        log = self._logs[name]
+        if isinstance(log, _Snapshot):
+            log = self._logs[name] = log.entries[:log.n]
+        return log
+
+    @property
+    def accesses(self) -> list[Access]:
+        """The access log (API.md's lines)."""
+        return self._log("accesses")
+
+    @property
+    def moves(self) -> list[Move]:
+        """Transfers that finished: when each ran."""
+        return self._log("moves")
+
+    @property
+    def usage(self) -> list[tuple[float, str, int]]:
+        """(time, tier, bytes used after the change), at each change."""
+        return self._log("usage")
+
+    @property
+    def stalls(self) -> list[tuple[float, float, str]]:
+        """(start, end, block): each wait for a block's data."""
+        return self._log("stalls")
+
+    @property
+    def computes(self) -> list[tuple[str, str, float, float]]:
+        """(unit or "optimizer", phase, start, end)."""
+        return self._log("computes")
+
+    @property
+    def events(self) -> list[tuple]:
+        """Every runtime call, for replay in the simulator."""
+        return self._log("events")
+
     @classmethod
     def from_state(cls, state: "HeteroState") -> "Report":
         rt = state.runtime
         tr = rt.tracker
-        hotness: dict[str, int] = {}
-        for a in tr.accesses:  # accesses per completed step (of those the logs hold): a block's heat
-            hotness[a.block] = hotness.get(a.block, 0) + 1
         steps = max(tr.step - tr.first_step, 1)
         none = BlockStats()
         # Beyond API.md, each block's statistics: the seq of its last access (-1: none yet), and
@@ -64,7 +105,8 @@ class Report:
         # the hotness policy sees it: half the last distance, half the ones before; None: used once).
         blocks = [{"id": b.id, "kind": b.kind, "bytes": b.nbytes,
                    "tier": rt.top(b) if b.tiers else "none",
-                   "hotness": hotness.get(b.id, 0) / steps,
+                   # accesses per completed step (of those the logs hold): a block's heat
+                   "hotness": tr.stats.get(b.id, none).in_logs / steps,
                    "last_access": tr.stats.get(b.id, none).last,
                    "reuse_distance": tr.stats.get(b.id, none).reuse_ewma} for b in rt.blocks()]
         follow = getattr(rt.policy, "follow", [])
@@ -93,9 +135,12 @@ class Report:
             "log_first_step": tr.first_step,
         }
         catalog = {b.id: (b.kind, b.nbytes) for b in rt.blocks()}
-        return cls(summary, list(tr.accesses), list(tr.moves), list(tr.usage), list(tr.stalls),
-                   list(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
-                   state.policy_start, rt.nvme_files, list(tr.computes), tr.first_step,
+        def snap(log: list) -> _Snapshot:
+            return _Snapshot(log, len(log))
+
+        return cls(summary, snap(tr.accesses), snap(tr.moves), snap(tr.usage), snap(tr.stalls),
+                   snap(tr.events), catalog, rt.slot_size, rt.prefetch_depth, rt.host_slots,
+                   state.policy_start, rt.nvme_files, snap(tr.computes), tr.first_step,
                    state.minimums)
 
     def capacities(self, **budgets: SizeLike) -> dict[str, int]:
@@ -195,7 +240,8 @@ class Report:
         """The report as JSON-serializable data (a deep copy): API.md's keys (policy, steps,
         stall_seconds, tiers, traffic, blocks) and README's additions (per-step lists, prefetch
         counters, the run's budgets and minimums)."""
-        return json.loads(json.dumps(self._summary))  # a deep, JSON-clean copy
+        return {k: _copied(v) for k, v in self._summary.items()}
+
 
     def __str__(self) -> str:
         d = self._summary
@@ -296,3 +342,14 @@ class Report:
         fig.tight_layout()
         with open(path, "wb") as f:
             fig.savefig(f, format="png", dpi=100)
+
+
+def _copied(value: Any) -> Any:
+    """A copy of a summary value (JSON data: dicts and lists nest two deep at most), deep enough
+    that the caller may change it freely; faster than a JSON round trip over a long run's
+    per-step lists."""
+    if isinstance(value, dict):
+        return {k: _copied(v) if isinstance(v, (dict, list, tuple)) else v for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copied(v) if isinstance(v, (dict, list, tuple)) else v for v in value]
+    return value

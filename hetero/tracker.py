@@ -49,6 +49,7 @@ class BlockStats:
     """Per-block statistics the hotness policy and the report use (positions are access seqs)."""
 
     accesses: int = 0
+    in_logs: int = 0  # of them, those the access log still holds (all, unless it is bounded)
     last: int = -1
     reuse_ewma: Optional[float] = None  # smoothed distance between consecutive accesses
     per_step: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -58,6 +59,7 @@ class BlockStats:
             d = seq - self.last
             self.reuse_ewma = d if self.reuse_ewma is None else 0.5 * self.reuse_ewma + 0.5 * d
         self.accesses += 1
+        self.in_logs += 1
         self.last = seq
         self.per_step[step] = self.per_step.get(step, 0) + 1
 
@@ -143,7 +145,9 @@ class Tracker:
 
     def next_step(self) -> None:
         """A step ended. With ``keep_steps``, drop what the logs hold of steps before the last
-        ``keep_steps`` (done once they hold twice that, so each entry is looked at twice)."""
+        ``keep_steps`` (done once they hold twice that, so each entry is looked at twice). The
+        logs are only ever appended to, and replaced to drop entries, never changed in place: a
+        report's snapshot is a list and its length (:meth:`Report.from_state`)."""
         self.step += 1
         if self.keep_steps is None:
             return
@@ -157,10 +161,11 @@ class Tracker:
         self.usage = [u for u in self.usage if u[0] >= t_cut]
         self.stalls = [s for s in self.stalls if s[0] >= t_cut]
         self.computes = [c for c in self.computes if c[2] >= t_cut]
-        del self.events[:e_cut - self._dropped_events]
+        self.events = self.events[e_cut - self._dropped_events:]
         self._dropped_events = e_cut
         self._step_starts = {s: v for s, v in self._step_starts.items() if s >= first}
         for stats in self.stats.values():
+            stats.in_logs -= sum(n for s, n in stats.per_step.items() if s < first)
             stats.per_step = {s: n for s, n in stats.per_step.items() if s >= first}
         self.first_step = first
 

@@ -322,6 +322,44 @@ def test_log_steps_bounds_the_logs_and_changes_nothing_else(tmp_path) -> None:
         hetero.wrap(torch.nn.Linear(2, 2), device="cpu", log_steps=0)
 
 
+@pytest.mark.parametrize("keep", [None, 2])
+def test_a_report_is_a_snapshot_its_logs_shared_until_read(keep, tmp_path) -> None:
+    """A report keeps the logs as they were when it was taken while training goes on (also where
+    log_steps drops their old entries), without copying them then (a report per step of a long
+    run copied every log each time); blocks' hotness is the access log's count per step."""
+    torch.manual_seed(0)
+    model = GPT()
+    total = state_bytes(model)
+    wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB", device_budget=int(total * 0.25),
+                          host_budget=int(total * 0.3), nvme_path=str(tmp_path), log_steps=keep)
+    opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    names = ("accesses", "moves", "usage", "stalls", "computes", "events")
+    taken = []
+    for x, y in batches(7, seed=3):
+        wrapped(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        tr = wrapped._hetero_state.runtime.tracker
+        report = wrapped.placement_report()
+        assert report._logs["events"].entries is tr.events  # (shared, not copied)
+        taken.append((report, {n: list(getattr(tr, n)) for n in names}, report.as_dict()))
+    for report, logs, summary in taken:
+        for n in names:
+            assert getattr(report, n) == logs[n], n
+        assert report.as_dict() == summary
+        steps = max(summary["steps"] - summary["log_first_step"], 1)
+        counts: dict[str, int] = {}
+        for a in report.accesses:
+            counts[a.block] = counts.get(a.block, 0) + 1
+        assert {b["id"]: b["hotness"] for b in summary["blocks"]} == pytest.approx(
+            {b["id"]: counts.get(b["id"], 0) / steps for b in summary["blocks"]})
+    assert keep is None or taken[-1][0].log_first_step > 0
+    summary = taken[-1][0].as_dict()
+    summary["step_traffic"][0]["host->device"] = -1  # (the caller's copy: the report's unchanged)
+    assert taken[-1][0].as_dict() == taken[-1][2] and json.loads(json.dumps(summary)) == summary
+    wrapped.close()
+
+
 def test_step_traffic_has_an_entry_per_step() -> None:
     """Also where the last steps moved nothing (here: nothing ever moves, no budget)."""
     torch.manual_seed(0)
