@@ -169,7 +169,9 @@ class Chunk:
         for s in at_rest:
             s.param.data = self._poison.expand(s.shape)
             s.rest_version = s.param._version
-        return [s.names[0] for s in at_rest]
+        # (None at rest any more, the write seen in the value only: a module called on its own
+        # brought the chunk to the device since; the write was to one of them, and is lost.)
+        return [s.names[0] for s in at_rest or self.slots]
 
     def __repr__(self) -> str:
         return f"Chunk({self.index}, {self.dtype}, numel={self.numel}, params={len(self.slots)})"

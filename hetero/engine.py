@@ -76,6 +76,7 @@ engine that wrote the bytes and only it verifies them, so the two kinds are neve
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import fcntl
 import json
@@ -127,7 +128,7 @@ def available_backends() -> list[str]:
     return found + ["python"]
 
 
-def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = False) -> torch.Tensor:
+def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: "bool | torch.device" = False) -> torch.Tensor:
     """Uninitialised uint8 CPU tensor of ``nbytes`` whose data_ptr is a multiple of ``alignment``.
 
     O_DIRECT needs aligned buffers and torch's allocator only promises 64 bytes, so this
@@ -135,14 +136,18 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT, pin: bool = False) ->
     exactly ``nbytes`` (page-aligned, :func:`hetero._C.pinned_empty`) where the extension has
     CUDA, for torch's pinned allocator rounds each request up to a power of two (nearly twice
     the host budget locked) and keeps it locked after the tensor is freed; that allocator only
-    where the extension was built without CUDA. RuntimeError where the memory cannot be locked.
+    where the extension was built without CUDA. ``pin`` a CUDA device: the memory is registered
+    with that device current (else the current one, which would get a CUDA context of its own).
+    RuntimeError where the memory cannot be locked.
     """
     if nbytes < 0 or alignment < 1:
         raise ValueError(f"aligned_empty needs nbytes >= 0 and alignment >= 1, "
                          f"got {nbytes} and {alignment}")
-    pin = pin and torch.cuda.is_available()
+    device = pin if isinstance(pin, torch.device) and pin.type == "cuda" else None
+    pin = bool(pin) and torch.cuda.is_available()
     if pin and _C is not None and _C.COPY_CUDA and os.sysconf("SC_PAGESIZE") % alignment == 0:
-        return _C.pinned_empty(nbytes)
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            return _C.pinned_empty(nbytes)
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % alignment
     return raw[start:start + nbytes]

@@ -138,7 +138,7 @@ def measure_link(device: torch.device, block: int, total: int = 64 << 20, reps: 
 
     block = max(4096, min(block, total))
     n = max(1, total // block)
-    host = aligned_empty(n * block, pin=device.type == "cuda")
+    host = aligned_empty(n * block, pin=device.type == "cuda" and device)
     dev = torch.empty(n * block, dtype=torch.uint8, device=device)
     out = []
     with CopyEngine(2) as eng:

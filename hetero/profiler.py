@@ -58,6 +58,12 @@ class Report:
         self.host_slots = host_slots  # the host arena's size limit from the model state
         self.nvme_files = nvme_files  # slots of each swap file
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (and deep-copied) with each log as it was, not the run's whole list."""
+        state = dict(self.__dict__)
+        state["_logs"] = {name: self._log(name) for name in self._logs}
+        return state
+
     def _log(self, name: str) -> list:
         log = self._logs[name]
         if isinstance(log, _Snapshot):

@@ -154,7 +154,7 @@ class Runtime:
         # finds room without evicting. (A transaction's shadows can need more; where the arena is
         # full they are given up, as where the budget is.)
         limit = needed + max(slots, default=0)
-        arena = HostArena(min(cfg.host_budget // slot, limit), slot, pin=cfg.device.type == "cuda")
+        arena = HostArena(min(cfg.host_budget // slot, limit), slot, pin=cfg.device.type == "cuda" and cfg.device)
         capacities = {DEVICE: cfg.device_budget, HOST: cfg.host_budget}
         swap = None
         if cfg.nvme_path is not None:

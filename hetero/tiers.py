@@ -505,7 +505,7 @@ class HostArena:
     HeteroOOMError naming the host budget.
     """
 
-    def __init__(self, nslots: int, slot_size: int, pin: bool) -> None:
+    def __init__(self, nslots: int, slot_size: int, pin: "bool | torch.device") -> None:
         self.pool = SlotPool(max(1, nslots), slot_size)
         self.nbytes = len(self.pool.owner) * slot_size
         try:

@@ -307,29 +307,31 @@ def test_torch_func_transforms_are_refused_before_anything_moves() -> None:
 
 def test_a_write_to_a_parameter_at_rest_is_reported_not_lost_in_silence() -> None:
     """Off the device a parameter is a NaN placeholder shared by its chunk: an in-place write
-    to it (``p.fill_``, ``nn.init.zeros_``) went nowhere, the others of the chunk read it, and
-    state_dict() gave the old values without a word."""
+    to it (``p.fill_``, ``nn.init.zeros_``, through ``p.data``) went nowhere, the others of the
+    chunk read it, and state_dict() gave the old values without a word."""
     torch.manual_seed(0)
     eager = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
     wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="8KiB", device_budget="16KiB")
     x = torch.randn(4, 32)
-    wrapped(x).sum().backward()
-    at_rest = [p for p in wrapped.module.parameters() if p.isnan().all()]
-    assert at_rest
-    before = wrapped.state_dict()
     hopt = hetero.optim.AdamW(wrapped.parameters(), lr=0.0)
+    wrapped(x).sum().backward()
+    before = wrapped.state_dict()
     writes = (lambda p: nn.init.zeros_(p), lambda p: p.data.fill_(1.0))  # (the second moves no version)
-    for write, read in itertools.product(writes, (wrapped.state_dict, lambda: wrapped(x),
-                                                   lambda: (hopt.step(), wrapped(x)))):
+    reads = (lambda owner: wrapped.state_dict(), lambda owner: wrapped(x),
+             lambda owner: (hopt.step(), wrapped(x)), lambda owner: (owner(x), wrapped(x)))
+    for write, read in itertools.product(writes, reads):
+        wrapped(x).sum().backward()
+        hopt.zero_grad()
+        at_rest = next(p for p in wrapped.module.parameters() if p.isnan().all())
+        owner = next(m for m in wrapped.module if any(p is at_rest for p in m.parameters()))
         with torch.no_grad():
-            write(at_rest[0])
+            write(at_rest)
         with pytest.raises(hetero.HeteroStateError, match="written in place while at rest"):
-            read()
-        assert at_rest[0].isnan().all()  # a placeholder again
+            read(owner)
     after = wrapped.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     with wrapped.summon_full_params():  # the way to write
-        nn.init.zeros_(at_rest[0])
+        nn.init.zeros_(at_rest)
     assert any((v == 0).all() for v in wrapped.state_dict().values())
 
 

@@ -5,6 +5,7 @@ all of them for a bundled model."""
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import os
 from pathlib import Path
@@ -342,8 +343,10 @@ def test_a_report_is_a_snapshot_its_logs_shared_until_read(keep, tmp_path) -> No
         tr = wrapped._hetero_state.runtime.tracker
         report = wrapped.placement_report()
         assert report._logs["events"].entries is tr.events  # (shared, not copied)
-        taken.append((report, {n: list(getattr(tr, n)) for n in names}, report.as_dict()))
-    for report, logs, summary in taken:
+        taken.append((report, {n: list(getattr(tr, n)) for n in names}, report.as_dict(),
+                      len(pickle.dumps(report))))
+    for report, logs, summary, pickled in taken:
+        assert len(pickle.dumps(report)) == pickled  # (the snapshot, not the run's whole log)
         for n in names:
             assert getattr(report, n) == logs[n], n
         assert report.as_dict() == summary
