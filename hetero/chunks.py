@@ -101,8 +101,11 @@ class Chunk:
         # With sharded data parallelism the owner's grad block holds the mean over this many ranks
         # (hetero.distributed): a gradient added to it first turns it back into their sum.
         self.grad_world = 1
-        # NaN placeholder shown by parameters whose block is off the device (expand: no memory).
-        self._poison = torch.full((), math.nan, dtype=dtype, device=device)
+        # NaN placeholder shown by parameters whose block is off the device (expand: no memory):
+        # an element of a buffer the chunks of a model share (pack), so that one read sees them
+        # all (placeholders_written).
+        self._placeholders = torch.full((1,), math.nan, dtype=dtype, device=device)
+        self._placeholder_at = 0
         self.attached = False  # the parameters point at the param block's device buffer
 
     def fold_pending(self, flat: torch.Tensor) -> None:
@@ -115,6 +118,10 @@ class Chunk:
         if self.grad_world != 1:
             flat.mul_(self.grad_world)
             self.grad_world = 1
+
+    @property
+    def _poison(self) -> torch.Tensor:
+        return self._placeholders[self._placeholder_at]
 
     @property
     def full_precision(self) -> Block:
@@ -165,9 +172,8 @@ class Chunk:
         at_rest = [s for s in self.slots if s.param.data_ptr() == self._poison.data_ptr()]
         if not placeholder_written and all(s.param._version == s.rest_version for s in at_rest):
             return []
-        self._poison = torch.full((), math.nan, dtype=self.dtype, device=self.compute_device)
+        self._poison.fill_(math.nan)
         for s in at_rest:
-            s.param.data = self._poison.expand(s.shape)
             s.rest_version = s.param._version
         # (None at rest any more, the write seen in the value only: a module called on its own
         # brought the chunk to the device since; the write was to one of them, and is lost.)
@@ -179,10 +185,17 @@ class Chunk:
 
 def placeholders_written(chunks: list[Chunk]) -> list[bool]:
     """For each chunk, whether its NaN placeholder reads other than NaN (a parameter at rest was
-    written through ``p.data``): one read of them all, a single wait for the device on a GPU."""
-    if not chunks:
-        return []
-    return torch.stack([c._poison.isnan() for c in chunks]).logical_not().tolist()
+    written through ``p.data``): one read of each buffer of placeholders (:func:`pack` makes one
+    per dtype), a wait for the device each on a GPU."""
+    written = [False] * len(chunks)
+    buffers: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
+    for i, c in enumerate(chunks):
+        buffers.setdefault(id(c._placeholders), (c._placeholders, []))[1].append((i, c._placeholder_at))
+    for buffer, members in buffers.values():
+        flags = buffer.isnan().logical_not().tolist()
+        for i, at in members:
+            written[i] = flags[at]
+    return written
 
 
 def pack(groups: Iterable[list[tuple[nn.Parameter, list[str]]]], chunk_bytes: int,
@@ -224,4 +237,11 @@ def pack(groups: Iterable[list[tuple[nn.Parameter, list[str]]]], chunk_bytes: in
             open_bytes[key] = open_bytes.get(key, 0) + nbytes
         for key in list(open_by_key):
             close(key)
+    shared: dict[torch.dtype, list[Chunk]] = {}
+    for c in chunks:
+        shared.setdefault(c.dtype, []).append(c)
+    for dtype, group in shared.items():
+        buffer = torch.full((len(group),), math.nan, dtype=dtype, device=device)
+        for at, c in enumerate(group):
+            c._placeholders, c._placeholder_at = buffer, at
     return chunks

@@ -338,15 +338,16 @@ def test_a_write_to_a_parameter_at_rest_is_reported_not_lost_in_silence() -> Non
 def test_units_forwards_do_not_read_the_placeholders(monkeypatch) -> None:
     """Reading a value to the host (``item``, ``tolist``) waits for the device on a GPU: the
     placeholders are read once per forward at the root (and in summons), not at each unit's
-    forward, which checks version counters."""
+    forward, which checks version counters; and all at once (the chunks' placeholders share a
+    buffer), not with an operation per chunk."""
     wrapped = hetero.wrap(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]), device="cpu",
                           chunk_size="8KiB", device_budget="16KiB")
     reads = []
-    for name in ("item", "tolist"):
+    for name in ("item", "tolist", "isnan"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda t, real=real, name=name: reads.append(name) or real(t))
     wrapped(torch.randn(4, 32)).sum().backward()
-    assert len(wrapped._hetero_state.chunks) == 6 and reads == ["tolist"]
+    assert len(wrapped._hetero_state.chunks) == 6 and reads == ["isnan", "tolist"]
 
 
 class _TwoHeads(nn.Module):
