@@ -90,6 +90,13 @@ class HeteroState:
     @critical
     def pre_forward(self, unit: Unit) -> Call:
         _refuse_transforms()
+        if self.summoned:
+            raise HeteroStateError(
+                "a forward inside summon_full_params() (or model.apply, state_dict, "
+                "load_state_dict) is not supported, as FSDP's: the parameters there are full-"
+                "precision host copies, which the units' forwards do not compute with (they fetch "
+                "the chunks' own blocks, and release them to placeholders); expected the forward "
+                "after the summon (writeback=True makes its changes the model's)")
         self.forwards += 1
         if self._unshared:
             self.share_updates([])

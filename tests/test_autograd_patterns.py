@@ -335,6 +335,29 @@ def test_a_write_to_a_parameter_at_rest_is_reported_not_lost_in_silence() -> Non
     assert any((v == 0).all() for v in wrapped.state_dict().values())
 
 
+@pytest.mark.parametrize("device_budget", [None, "12000"])
+def test_a_forward_inside_a_summon_is_refused(device_budget) -> None:
+    """Inside summon_full_params() the parameters are host copies the units' forwards do not
+    compute with: under a device budget a forward there mixed old and changed weights in silence
+    and left evicted parameters as placeholders inside the summon. Refused, changing nothing; the
+    forward after the summon sees its changes."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="4KiB", device_budget=device_budget)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        with wrapped.summon_full_params(writeback=True):
+            for m in (wrapped.module, eager):
+                m[1].weight.mul_(2.0)
+            with pytest.raises(hetero.HeteroStateError, match="forward inside summon_full_params"):
+                wrapped(x)
+            with pytest.raises(hetero.HeteroStateError, match="forward inside summon_full_params"):
+                wrapped.module[0](x)
+            assert torch.equal(wrapped.module[1].weight, eager[1].weight)
+        torch.testing.assert_close(wrapped(x), eager(x), rtol=0, atol=0)
+    assert_same_model(eager, wrapped)
+
+
 def test_units_forwards_do_not_read_the_placeholders(monkeypatch) -> None:
     """Reading a value to the host (``item``, ``tolist``) waits for the device on a GPU: the
     placeholders are read once per forward at the root (and in summons), not at each unit's

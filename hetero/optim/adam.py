@@ -404,8 +404,10 @@ class Adam(torch.optim.Optimizer):
         if st._unshared:  # (sharded: a failed step's broadcast first)
             st.share_updates([])
         try:
-            rt.catch_up()  # the last step's postponed updates first: they read its gradients
+            # (A postponed update of the last step reads its gradients: one whose grad block
+            # this touches runs first.)
             st.adopt_grads(p for g in self.param_groups for p in g["params"])
+            rt.catch_up()  # the rest of the last step's postponed updates, before this step's
         except (HeteroIOError, HeteroOOMError):
             if st.replicas is None:
                 raise
