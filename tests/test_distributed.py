@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Callable
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,22 @@ def _case_norm_on_rank0_only(rank: int, where: Path) -> None:
     wrapped.close()
 
 
+def _fail_once(rt, name: str, error: Callable[[], BaseException],
+               applies: Callable[..., bool] = lambda *args, **kwargs: True) -> dict[str, bool]:
+    """Make ``rt.<name>`` raise ``error()`` at its first call, once ``armed["on"]`` is set,
+    for which ``applies(*args, **kwargs)``; that call disarms it."""
+    real, armed = getattr(rt, name), {"on": False}
+
+    def failing(*args, **kwargs):
+        if armed["on"] and applies(*args, **kwargs):
+            armed["on"] = False
+            raise error()
+        return real(*args, **kwargs)
+
+    setattr(rt, name, failing)
+    return armed
+
+
 def _case_failed_averaging_on_one_rank(rank: int, where: Path) -> None:
     """Rank 1 cannot read a gradient block during the averaging (a swap read error): both ranks
     raise HeteroIOError from step() (rank 0 does not wait forever), and retrying the step on both
@@ -349,67 +366,33 @@ def _case_failed_sharing(rank: int, where: Path) -> None:
     wrapped.close()
 
 
-def _case_noshard_update_failure(rank: int, where: Path) -> None:
-    """NO_SHARD: an update failing on rank 1 after the averaging raises on both ranks (rank 0's
-    update is done, rank 1's not); step() again on both completes the step, as DDP's."""
+def _case_noshard_failures(rank: int, where: Path) -> None:
+    """NO_SHARD, a failure on rank 1 alone raises on both ranks, each of its kind, and step()
+    again on both completes the step, as DDP's: an update failing after the averaging (rank 0's
+    update is done, rank 1's not); a gradient read failing in the averaging; the updates the last
+    step postponed, which step() runs first, failing (out of memory): rank 1 still takes part in
+    the averaging (it had left rank 0 alone in its collectives: gloo aborted, or paired them
+    wrongly), also where rank 0 averaged earlier, measuring the norm."""
     eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where, sharding_strategy="NO_SHARD"))
     rt = wrapped._hetero_state.runtime
-    drain, armed = rt.drain, [False]
-
-    def failing_drain(*args, **kwargs):
-        if armed[0] and kwargs.get("stall"):
-            armed[0] = False
-            raise hetero.HeteroIOError("injected: write-back failed")
-        return drain(*args, **kwargs)
-
-    rt.drain = failing_drain
-    for step, (x, y) in enumerate(batches(3, seed=100 + rank)):
+    armed = {
+        "drain": _fail_once(rt, "drain", lambda: hetero.HeteroIOError("injected: write-back failed"),
+                            lambda *args, **kwargs: kwargs.get("stall")),
+        "catch_up": _fail_once(rt, "catch_up", lambda: hetero.HeteroOOMError("injected: no room for a postponed update")),
+        "acquire": _fail_once(rt, "acquire", lambda: hetero.HeteroOOMError("injected: no room for a gradient"),
+                              lambda blocks, *args, **kwargs: blocks[0].kind == "grad")}
+    failing = {1: ("drain", hetero.HeteroIOError), 2: ("catch_up", hetero.HeteroOOMError),
+               3: ("acquire", hetero.HeteroOOMError), 4: ("catch_up", hetero.HeteroOOMError)}
+    for step, (x, y) in enumerate(batches(6, seed=100 + rank)):
         loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
-        eopt.step()
-        if step == 1:
-            armed[0] = rank == 1
-            with pytest.raises(hetero.HeteroIOError, match="injected" if rank == 1 else "another rank"):
-                hopt.step()
-        hopt.step()
-        eopt.zero_grad(), hopt.zero_grad()
-    assert_same_model(eager, wrapped)
-    _assert_same_optimizer(eopt, hopt)
-    wrapped.close()
-
-
-def _case_noshard_catch_up_failure(rank: int, where: Path) -> None:
-    """NO_SHARD: the updates the last step postponed, which step() runs first, failing on rank 1
-    alone (out of memory): rank 1 still takes part in the gradient averaging (it had left rank 0
-    alone in the averaging's collectives: gloo aborted, or paired them wrongly), also where rank
-    0 averaged earlier, measuring the norm; then both ranks raise, each an out-of-memory error,
-    as where a gradient read fails in the averaging on rank 1. step() again on both completes
-    the step, as DDP's."""
-    eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where, sharding_strategy="NO_SHARD"))
-    rt = wrapped._hetero_state.runtime
-    catch_up, acquire, armed = rt.catch_up, rt.acquire, {"catch_up": False, "acquire": False}
-
-    def failing_catch_up(*args, **kwargs):
-        if armed["catch_up"]:
-            armed["catch_up"] = False
-            raise hetero.HeteroOOMError("injected: no room for a postponed update")
-        return catch_up(*args, **kwargs)
-
-    def failing_acquire(blocks, *args, **kwargs):
-        if armed["acquire"] and blocks[0].kind == "grad":
-            armed["acquire"] = False
-            raise hetero.HeteroOOMError("injected: no room for a gradient")
-        return acquire(blocks, *args, **kwargs)
-
-    rt.catch_up, rt.acquire = failing_catch_up, failing_acquire
-    for step, (x, y) in enumerate(batches(5, seed=100 + rank)):
-        loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
-        if step == 3 and rank == 0:
+        if step == 4 and rank == 0:
             torch.testing.assert_close(wrapped.clip_grad_norm_(float("inf")).cpu(),
                                        torch.nn.utils.clip_grad_norm_(ddp.parameters(), float("inf")))
         eopt.step()
-        if step in (1, 2, 3):
-            armed["acquire" if step == 2 else "catch_up"] = rank == 1
-            with pytest.raises(hetero.HeteroOOMError, match="injected" if rank == 1 else "another rank"):
+        if step in failing:
+            name, kind = failing[step]
+            armed[name]["on"] = rank == 1
+            with pytest.raises(kind, match="injected" if rank == 1 else "another rank"):
                 hopt.step()
         hopt.step()
         eopt.zero_grad(), hopt.zero_grad()
@@ -427,32 +410,21 @@ def _case_failures_before_collectives(rank: int, where: Path) -> None:
 
     eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where))
     rt = wrapped._hetero_state.runtime
-    drain, acquire, armed = rt.drain, rt.acquire, {"drain": False, "acquire": False}
-
-    def failing_drain(*args, **kwargs):
-        if armed["drain"] and kwargs.get("stall"):
-            armed["drain"] = False
-            raise hetero.HeteroIOError("injected: write-back failed")
-        return drain(*args, **kwargs)
-
-    def failing_acquire(blocks, *args, **kwargs):
-        if armed["acquire"] and blocks[0].kind == "grad":
-            armed["acquire"] = False
-            raise hetero.HeteroIOError("injected: gradient read failed")
-        return acquire(blocks, *args, **kwargs)
-
-    rt.drain, rt.acquire = failing_drain, failing_acquire
+    armed = {"drain": _fail_once(rt, "drain", lambda: hetero.HeteroIOError("injected: write-back failed"),
+                                 lambda *args, **kwargs: kwargs.get("stall")),
+             "acquire": _fail_once(rt, "acquire", lambda: hetero.HeteroIOError("injected: gradient read failed"),
+                                   lambda blocks, *args, **kwargs: blocks[0].kind == "grad")}
     for step, (x, y) in enumerate(batches(3, seed=100 + rank)):
         loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
         if step == 1:
-            armed["acquire"] = rank == 1
+            armed["acquire"]["on"] = rank == 1
             with pytest.raises(hetero.HeteroIOError, match="injected" if rank == 1 else "another rank"):
                 wrapped.clip_grad_norm_(1e9)
         torch.testing.assert_close(wrapped.clip_grad_norm_(1e9).cpu(),
                                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e9))
         eopt.step()
         if step == 1:
-            armed["drain"] = rank == 1
+            armed["drain"]["on"] = rank == 1
             with pytest.raises(hetero.HeteroIOError, match="injected" if rank == 1 else "another rank"):
                 hopt.step()
         hopt.step()  # (step 1: again, completing it)
@@ -670,8 +642,7 @@ CASES = {
     "failed_averaging_on_one_rank": _case_failed_averaging_on_one_rank,
     "failed_sharing": _case_failed_sharing,
     "failures_before_collectives": _case_failures_before_collectives,
-    "noshard_update_failure": _case_noshard_update_failure,
-    "noshard_catch_up_failure": _case_noshard_catch_up_failure,
+    "noshard_failures": _case_noshard_failures,
     "frozen_on_one_rank": _case_frozen_on_one_rank,
     "wrap_arguments_differ": _case_wrap_arguments_differ,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,
