@@ -248,7 +248,6 @@ class Report:
         counters, the run's budgets and minimums)."""
         return {k: _copied(v) for k, v in self._summary.items()}
 
-
     def __str__(self) -> str:
         d = self._summary
         lines = [f"hetero placement report: policy={d['policy']} steps={d['steps']} "
