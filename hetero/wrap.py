@@ -155,6 +155,8 @@ class HeteroState:
     def pre_backward(self, call: Call) -> None:
         if call.pinned:
             return
+        if torch.is_grad_enabled():  # (create_graph=True: the backward builds a graph)
+            self._refuse_double_backward()
         self._backward_grads()
         # A gradient assigned to .grad since the last backward replaces the parameter's, before
         # this backward adds to it (torch's AccumulateGrad adds to what .grad holds).
@@ -173,6 +175,23 @@ class HeteroState:
             self._waiting.append(call)
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _call_if_alive(ref, "post_backward", call))
+
+    def _refuse_double_backward(self) -> None:
+        """A backward that builds a graph (``create_graph=True``: gradient penalties, Hessian-
+        vector products) leaves it reading each unit's parameters after the unit let them go:
+        under a device budget below the parameters some are evicted by then, and the second
+        backward failed inside torch (a storage of size 0). Refused before this backward moves
+        anything (HeteroStateError)."""
+        need = sum(c.blocks[PARAM].nbytes for c in self.chunks)
+        budget = self.runtime.tiers[DEVICE].capacity
+        if budget < need:
+            raise HeteroStateError(
+                f"a backward with create_graph=True (double backward: a gradient penalty, a "
+                f"Hessian-vector product) keeps reading every unit's parameters after the unit's "
+                f"own backward, and device_budget={budget} ({format_size(budget)}) is below the "
+                f"parameters' {need} bytes ({format_size(need)}), so some are evicted before the "
+                f"second backward reads them; expected device_budget >= {need}, or first-order "
+                "gradients only")
 
     @critical
     def post_backward(self, call: Call) -> None:

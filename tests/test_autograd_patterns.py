@@ -358,6 +358,40 @@ def test_a_forward_inside_a_summon_is_refused(device_budget) -> None:
     assert_same_model(eager, wrapped)
 
 
+def test_double_backward_below_the_parameters_is_refused_before_anything_moves() -> None:
+    """A gradient penalty (autograd.grad with create_graph=True, then a backward through it)
+    reads the parameters after their units let them go: under a device budget below them it
+    failed inside torch (a storage of size 0). Refused with the budget it needs, and training
+    goes on as eager; with room for the parameters it trains as eager."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    need = sum(p.numel() * p.element_size() for p in eager.parameters())
+    data = [torch.randn(4, 32) for _ in range(3)]
+
+    def penalized(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        out = model(x).pow(2).mean()
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
+        return out + g.pow(2).sum()
+
+    for budget in (need // 2, None):
+        reference = copy.deepcopy(eager)
+        wrapped = hetero.wrap(copy.deepcopy(eager), device="cpu", chunk_size="4KiB", device_budget=budget)
+        eopt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        for x in data:
+            if budget is not None:
+                with pytest.raises(hetero.HeteroStateError, match=f"create_graph=True.*device_budget >= {need}"):
+                    penalized(wrapped, x)
+            for model, opt, loss in ((reference, eopt, penalized), (wrapped, hopt, penalized)):
+                if budget is not None:
+                    loss = lambda m, x: m(x).pow(2).mean()  # noqa: E731 - first order only, there
+                loss(model, x).backward()
+                opt.step()
+                opt.zero_grad()
+        assert_same_model(reference, wrapped)
+
+
 def test_units_forwards_do_not_read_the_placeholders(monkeypatch) -> None:
     """Reading a value to the host (``item``, ``tolist``) waits for the device on a GPU: the
     placeholders are read once per forward at the root (and in summons), not at each unit's
