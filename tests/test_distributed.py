@@ -401,6 +401,30 @@ def _case_noshard_failures(rank: int, where: Path) -> None:
     wrapped.close()
 
 
+def _case_new_optimizer_fails_on_one_rank(rank: int, where: Path) -> None:
+    """A new optimizer over the parameters runs the updates the last step postponed first:
+    where that fails on rank 1 alone, the constructor raises on both ranks (rank 0 had gone on
+    alone into its next collective); made again on both, training goes on as DDP's with a new
+    torch optimizer."""
+    eager, wrapped, ddp, eopt, hopt = _with_ddp(_budgets("device20_host30_nvme", where, sharding_strategy="NO_SHARD"))
+    armed = _fail_once(wrapped._hetero_state.runtime, "catch_up",
+                       lambda: hetero.HeteroIOError("injected: a postponed update failed"))
+    for step, (x, y) in enumerate(batches(4, seed=100 + rank)):
+        loss_of(ddp(x, y)).backward(), loss_of(wrapped(x, y)).backward()
+        eopt.step(), hopt.step()
+        eopt.zero_grad(), hopt.zero_grad()
+        if step == 1:
+            assert wrapped._hetero_state.runtime._postponed  # (what the new optimizer runs first)
+            armed["on"] = rank == 1
+            with pytest.raises(hetero.HeteroIOError, match="injected" if rank == 1 else "another rank"):
+                hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+            eopt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+            hopt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    assert_same_model(eager, wrapped)
+    _assert_same_optimizer(eopt, hopt)
+    wrapped.close()
+
+
 def _case_failures_before_collectives(rank: int, where: Path) -> None:
     """Sharded, a failure on rank 1 alone raises on every rank instead of leaving rank 0 in a
     collective: in the update (a write-back's drain), where step() again on every rank completes
@@ -643,6 +667,7 @@ CASES = {
     "failed_sharing": _case_failed_sharing,
     "failures_before_collectives": _case_failures_before_collectives,
     "noshard_failures": _case_noshard_failures,
+    "new_optimizer_fails_on_one_rank": _case_new_optimizer_fails_on_one_rank,
     "frozen_on_one_rank": _case_frozen_on_one_rank,
     "wrap_arguments_differ": _case_wrap_arguments_differ,
     "budget_fails_on_one_rank": _case_budget_fails_on_one_rank,

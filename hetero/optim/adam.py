@@ -149,11 +149,15 @@ class Adam(torch.optim.Optimizer):
             rep = self._state.replicas
             if rep is None:
                 self._check_capacity()
+                self._take_over(self.param_groups[-1]["params"])
             else:  # every rank refuses where one must (its peers would die at their next collective)
                 rep.together(self._check_capacity, lambda: HeteroOOMError(
                     "another rank of the process group cannot hold its optimizer states in its budgets "
                     "(its error says what they need); expected budgets that hold them on every rank"))
-            self._take_over(self.param_groups[-1]["params"])
+                rep.together(lambda: self._take_over(self.param_groups[-1]["params"]), lambda: HeteroIOError(
+                    "another rank of the process group could not take its parameters' optimizer state "
+                    "over (running the updates an earlier step postponed: its error says why); "
+                    "expected the optimizer made again on every rank"))
         except BaseException:
             self.param_groups.pop()
             self._state = old_state
