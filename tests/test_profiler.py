@@ -16,6 +16,7 @@ import torch
 
 import hetero
 from hetero import cli
+from helpers import seeded_gpt, tight_budgets
 from models import GPT, batches, state_bytes
 
 STEPS = 3
@@ -328,11 +329,7 @@ def test_a_report_is_a_snapshot_its_logs_shared_until_read(keep, tmp_path) -> No
     """A report keeps the logs as they were when it was taken while training goes on (also where
     log_steps drops their old entries), without copying them then (a report per step of a long
     run copied every log each time); blocks' hotness is the access log's count per step."""
-    torch.manual_seed(0)
-    model = GPT()
-    total = state_bytes(model)
-    wrapped = hetero.wrap(model, device="cpu", chunk_size="8KiB", device_budget=int(total * 0.25),
-                          host_budget=int(total * 0.3), nvme_path=str(tmp_path), log_steps=keep)
+    wrapped = hetero.wrap(seeded_gpt(), **tight_budgets("device20_host30_nvme", tmp_path), log_steps=keep)
     opt = hetero.optim.AdamW(wrapped.parameters(), lr=1e-3)
     names = ("accesses", "moves", "usage", "stalls", "computes", "events")
     taken = []
